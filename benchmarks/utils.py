@@ -1,0 +1,79 @@
+"""Shared scaffold for the microbenchmarks: timing, the copy-bandwidth ceiling, result files.
+
+Every benchmark measures its baselines in the same run, reports bytes/FLOPs
+over time against ceilings measured on the same device, and writes
+``benchmarks/results/<name>.json`` and ``<name>.md`` (device, date, shapes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import pathlib
+import platform
+from typing import Callable, Sequence
+
+import torch
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def time_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) -> float:
+    """Median device time of ``fn`` in milliseconds (CUDA events via triton's do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def copy_bandwidth_tbps(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * nbytes / ms / 1e9
+
+
+def environment() -> dict:
+    """Device and software facts recorded with every result."""
+    props = torch.cuda.get_device_properties(0)
+    import triton
+
+    return {
+        "device": props.name,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    """A GitHub markdown table of ``rows`` restricted to ``columns`` (floats to 3 significant digits)."""
+
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_results(name: str, title: str, env: dict, ceilings: dict, rows: Sequence, columns: Sequence[str],
+                  notes: str = "") -> pathlib.Path:
+    """Write ``<name>.json`` and ``<name>.md`` under benchmarks/results; return the markdown path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    rows = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r) for r in rows]
+    (RESULTS_DIR / f"{name}.json").write_text(
+        json.dumps({"environment": env, "ceilings": ceilings, "results": rows}, indent=2) + "\n"
+    )
+    md = [f"# {title}", ""]
+    md += [f"- {k}: {v}" for k, v in env.items()]
+    md += [f"- {k}: {v:.3g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in ceilings.items()]
+    md += ["", markdown_table(rows, columns), ""]
+    if notes:
+        md += [notes.strip(), ""]
+    path = RESULTS_DIR / f"{name}.md"
+    path.write_text("\n".join(md))
+    return path

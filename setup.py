@@ -1,0 +1,25 @@
+"""transformer_engine_moe: FP8-Flow-MoE, the whole MoE expert path in blockwise FP8."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="transformer_engine_moe",
+    version="0.1.0",
+    description="FP8-Flow-MoE: blockwise-FP8 Mixture-of-Experts expert path for Megatron-core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["transformer_engine_moe*", "megatron_patches*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        "numpy",
+        # Triton kernels on Linux GPUs (and its CPU interpreter for tests); the plain-PyTorch
+        # reference path runs without it.
+        "triton>=3.4; platform_system == 'Linux'",
+    ],
+    extras_require={
+        "megatron": ["megatron-core>=0.16.1"],
+        "te": ["transformer-engine[pytorch]>=2.2"],
+        "test": ["pytest", "triton==3.6.0; platform_system == 'Linux'"],
+    },
+)

@@ -1,0 +1,24 @@
+"""Test set-up: run Triton kernels in Triton's CPU interpreter when there is no GPU.
+
+``TRITON_INTERPRET`` must be set before any ``@triton.jit`` kernel is defined;
+the package imports its kernels lazily, so setting it here is early enough.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+# Where the Triton kernels run: the GPU when there is one, else the interpreter on CPU.
+KERNEL_DEVICE = "cuda" if CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)

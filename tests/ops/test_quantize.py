@@ -1,0 +1,224 @@
+"""quantize_blockwise: Triton kernel vs reference (bitwise), round trip, autograd, bad input.
+
+The kernel runs compiled on a GPU, else in Triton's interpreter on CPU (where
+it rounds to FP8 in software; both paths are compared on the GPU).
+"""
+
+import pytest
+import torch
+
+from conftest import KERNEL_DEVICE, requires_cuda
+from transformer_engine_moe import Float8BlockQuantizer, FP8FlowRecipe, Format, Role, quantize_blockwise
+from transformer_engine_moe.kernels import quantize as kq
+from transformer_engine_moe.reference import quantize as ref
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_IDS = ["e4m3", "e5m2"]
+SPECIAL = [0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"), 448.0, -448.0, 500.0,
+           1e-40, -3e-39, 2.0**-9, 2.0**-10, 57344.0, 1e5, -1e38]
+
+
+def _input(m, k, dtype, device=KERNEL_DEVICE):
+    """Random rows spanning 12 decades, with special values, a zero row and a NaN."""
+    x = torch.randn(m, k) * torch.logspace(-6, 6, max(m, 1))[:m, None]
+    x = x.to(dtype)
+    if m > 2 and k > 20:
+        x[0, : len(SPECIAL)] = torch.tensor(SPECIAL).to(dtype)
+        x[1] = 0.0
+        x[2, 5] = float("nan")
+    return x.to(device)
+
+
+def assert_same_fp8(a, b):
+    """Bitwise equality of two Float8BlockwiseQTensors (data codes and scales, every usage)."""
+    assert a.usages == b.usages and a.shape == b.shape and a.fp8_dtype == b.fp8_dtype
+    for u in a.usages:
+        da, sa = getattr(a, f"{u}_data"), getattr(a, f"{u}_scale_inv")
+        db, sb = getattr(b, f"{u}_data"), getattr(b, f"{u}_scale_inv")
+        assert torch.equal(sa, sb), f"{u} scales differ"
+        assert torch.equal(da.view(torch.uint8), db.view(torch.uint8)), f"{u} data differs"
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", [(0, 128), (1, 128), (37, 300), (130, 256)], ids=str)
+@pytest.mark.parametrize("usage", ["rowwise", "columnwise", "both"])
+def test_1x128_kernel_matches_reference(fp8, dtype, shape, usage):
+    x = _input(*shape, dtype)
+    kw = dict(rowwise=usage != "columnwise", columnwise=usage != "rowwise")
+    assert_same_fp8(
+        quantize_blockwise(x, "1x128", fp8, backend="triton", **kw),
+        quantize_blockwise(x, "1x128", fp8, backend="reference", **kw),
+    )
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("shape", [(1, 1), (200, 333), (256, 128)], ids=str)
+def test_128x128_kernel_matches_reference(fp8, shape):
+    x = _input(*shape, torch.bfloat16)
+    kw = dict(rowwise=True, columnwise=True)
+    assert_same_fp8(
+        quantize_blockwise(x, "128x128", fp8, backend="triton", **kw),
+        quantize_blockwise(x, "128x128", fp8, backend="reference", **kw),
+    )
+
+
+@pytest.mark.parametrize("pow2,eps", [(False, 0.0), (True, 1e-2), (False, 3.0)])
+def test_scale_options_kernel_matches_reference(pow2, eps):
+    x = _input(64, 384, torch.float16)
+    for block in ("1x128", "128x128"):
+        assert_same_fp8(
+            quantize_blockwise(x, block, pow2_scales=pow2, amax_epsilon=eps, backend="triton"),
+            quantize_blockwise(x, block, pow2_scales=pow2, amax_epsilon=eps, backend="reference"),
+        )
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+def test_fp8_rounding_is_exact_on_every_bf16_value(fp8):
+    """Blocks whose amax fixes scale = 1 make quantization a plain cast: check it over all
+    bf16 bit patterns below the block max (normals, subnormals, ties, signed zeros, NaNs)."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    v = bits.view(torch.bfloat16).float()
+    limit = 300.0 if fp8 == torch.float8_e4m3fn else 40000.0  # pow2 scale of the block: exactly 1
+    v = v[~(v.abs() > limit)]
+    v = torch.nn.functional.pad(v, (0, (-v.numel()) % 127))
+    x = torch.cat([torch.full((v.numel() // 127, 1), limit), v.view(-1, 127)], dim=1)
+    q = quantize_blockwise(x.to(KERNEL_DEVICE), fp8_dtype=fp8, backend="triton")
+    assert (q.rowwise_scale_inv == 1.0).all()
+    expected = ref.cast_to_fp8(x, fp8).view(torch.uint8)
+    assert torch.equal(q.rowwise_data.view(torch.uint8).cpu(), expected)
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("block", ["1x128", "128x128"])
+def test_dequantize_round_trip_within_half_an_fp8_step(fp8, block):
+    x = torch.randn(300, 640) * torch.logspace(-4, 4, 300)[:, None]
+    q = quantize_blockwise(x, block, fp8, columnwise=True)
+    mbits = 3 if fp8 == torch.float8_e4m3fn else 2
+    bias = 7 if fp8 == torch.float8_e4m3fn else 15
+    dq = ref.dequantize_128x128 if block == "128x128" else ref.dequantize_1x128
+    for usage in ("rowwise", "columnwise"):
+        y = q.dequantize(usage=usage)
+        assert y.shape == x.shape and y.dtype == torch.float32
+        data, sinv = getattr(q, f"{usage}_data"), getattr(q, f"{usage}_scale_inv")
+        scale_inv = dq(torch.ones(data.shape), sinv, torch.float32)  # per element
+        scale_inv = scale_inv if usage == "rowwise" else scale_inv.t()
+        # half an ulp for normals, half the subnormal step (times scale_inv) below them
+        bound = torch.maximum(x.abs() * 2.0 ** -(mbits + 1), scale_inv * 2.0 ** (-bias - mbits))
+        assert ((y - x).abs() <= bound).all()
+
+
+def test_gradient_is_straight_through_and_reaches_input():
+    x = torch.randn(2, 3, 256, dtype=torch.bfloat16, requires_grad=True)
+    q = quantize_blockwise(x)
+    assert q.requires_grad and q.grad_fn is not None
+    w = torch.randn(2, 3, 256)
+    (q.dequantize() * w).sum().backward()
+    assert x.grad.dtype == torch.bfloat16
+    assert torch.equal(x.grad, w.to(torch.bfloat16))
+
+
+def test_strided_rows_and_leading_dims():
+    base = torch.randn(64, 512, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    x = base[:, 64:320]  # row stride 512, unit stride along K
+    assert_same_fp8(quantize_blockwise(x, backend="triton"), quantize_blockwise(x.contiguous(), backend="reference"))
+    x3 = torch.randn(4, 5, 256, device=KERNEL_DEVICE)
+    q3 = quantize_blockwise(x3, backend="triton")
+    assert q3.shape == (4, 5, 256) and q3.rowwise_data.shape == (20, 256)
+    assert q3.rowwise_scale_inv.shape == (20, 2)
+
+
+def test_quantizer_and_recipe():
+    recipe = FP8FlowRecipe(fp8_format=Format.HYBRID)
+    x = torch.randn(300, 256)
+    g = Float8BlockQuantizer.from_recipe(recipe, Role.GRAD, columnwise=True)(x)
+    assert g.fp8_dtype == torch.float8_e5m2 and g.usages == ("rowwise", "columnwise")
+    w = Float8BlockQuantizer.from_recipe(recipe, Role.WEIGHT)(x)
+    assert w.fp8_dtype == torch.float8_e4m3fn and w.block == "128x128"
+    assert_same_fp8(w, quantize_blockwise(x, "128x128"))
+    quantizer = Float8BlockQuantizer(torch.float8_e4m3fn)
+    quantizer.set_usage(rowwise=False, columnwise=True)
+    assert quantizer(x).usages == ("columnwise",)
+    assert FP8FlowRecipe().fp8_dtype(Role.GRAD) == torch.float8_e4m3fn
+
+
+# ---------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize(
+    "make_x,kwargs,exc,match",
+    [
+        (lambda: torch.randn(256), {}, ValueError, r"at least 2-D .* shape \[256\]"),
+        (lambda: torch.randint(0, 5, (4, 128)), {}, TypeError, "must have dtype in"),
+        (lambda: torch.randn(4, 128).to(torch.float8_e4m3fn), {}, TypeError, "must have dtype in"),
+        (lambda: torch.randn(128, 4).t(), {}, ValueError, "unit stride in its last dimension"),
+        (lambda: torch.randn(4, 8, 256)[:, :3], {}, ValueError, "cannot be viewed as"),
+        (lambda: torch.randn(4, 0), {}, ValueError, "empty last dimension"),
+        (lambda: [[1.0] * 128], {}, TypeError, "must be a torch.Tensor"),
+        (lambda: quantize_blockwise(torch.randn(2, 128)), {}, TypeError, "already a Float8BlockwiseQTensor"),
+        (lambda: torch.randn(4, 128), {"block": "1x64"}, ValueError, "block must be one of"),
+        (lambda: torch.randn(4, 128), {"fp8_dtype": torch.int8}, TypeError, "fp8_dtype must be one of"),
+        (lambda: torch.randn(4, 128), {"amax_epsilon": -1.0}, ValueError, "amax_epsilon must be finite"),
+        (lambda: torch.randn(4, 128), {"amax_epsilon": float("nan")}, ValueError, "amax_epsilon"),
+        (lambda: torch.randn(4, 128), {"rowwise": False}, ValueError, "at least one of rowwise"),
+        (lambda: torch.randn(4, 128), {"pow2_scales": 1}, TypeError, "pow2_scales must be a bool"),
+        (lambda: torch.randn(4, 128), {"backend": "cuda"}, ValueError, "backend must be one of"),
+    ],
+    ids=["1d", "int", "fp8-in", "transposed", "non-viewable", "k0", "list", "quantized", "block",
+         "fp8-dtype", "neg-eps", "nan-eps", "no-usage", "pow2-int", "backend"],
+)
+def test_bad_input_is_rejected_clearly(make_x, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        quantize_blockwise(make_x(), **kwargs)
+
+
+def test_triton_backend_on_cpu_without_interpreter_is_rejected(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        quantize_blockwise(torch.randn(4, 128), backend="triton")
+
+
+# ---------------------------------------------------------------------------- GPU only
+@requires_cuda
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+def test_gpu_kernel_bitwise_at_full_size(fp8):
+    """65536 x 7168 bf16 (DeepSeek-V3 hidden size), rowwise + columnwise, and 128x128."""
+    x = torch.randn(65536, 7168, device="cuda", dtype=torch.bfloat16) * 3
+    x[::97] *= 1e-3
+    for block in ("1x128", "128x128"):
+        cols = block == "1x128"
+        assert_same_fp8(
+            quantize_blockwise(x, block, fp8, columnwise=cols, backend="triton"),
+            quantize_blockwise(x, block, fp8, columnwise=cols, backend="reference"),
+        )
+
+
+@requires_cuda
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+def test_gpu_software_cast_equals_hardware_cast(fp8):
+    """The interpreter's integer rounding path gives the GPU's hardware-cast bits."""
+    x = _input(4096, 1024, torch.float32, "cuda") * torch.rand(4096, 1024, device="cuda")
+    hw = kq.quantize_1d(x, fp8, True, 0.0, True, True, software_cast=False)
+    sw = kq.quantize_1d(x, fp8, True, 0.0, True, True, software_cast=True)
+    for (a, sa), (b, sb) in zip(hw, sw):
+        assert torch.equal(sa, sb) and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@requires_cuda
+def test_gpu_hot_path_has_no_host_sync():
+    x = torch.randn(4096, 7168, device="cuda", dtype=torch.bfloat16)
+    quantize_blockwise(x, columnwise=True)  # compile first
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        q = quantize_blockwise(x, columnwise=True)
+        quantize_blockwise(x, "128x128")
+        q.split([1024, 3072])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("config", [(16, 2, 4), (8, 4, 2), (64, 1, 8)], ids=str)
+def test_rowwise_launch_shapes_agree(config):
+    """Every launch shape the benchmark sweeps computes the same bits (ragged last K tile)."""
+    x = _input(70, 1000, torch.bfloat16)
+    (q, s), _ = kq.quantize_1d(x, torch.float8_e4m3fn, True, 0.0, config=config)
+    rq, rs = ref.quantize_1x128(x, torch.float8_e4m3fn)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))

@@ -1,0 +1,185 @@
+"""Float8BlockwiseQTensor: construction checks, views, split, autograd, dispatch, pickling."""
+
+import io
+
+import pytest
+import torch
+
+from transformer_engine_moe import Float8BlockwiseQTensor, quantize_blockwise
+
+
+def _q(m=300, k=256, **kw):
+    return quantize_blockwise(torch.randn(m, k, dtype=torch.bfloat16), **kw)
+
+
+def test_metadata_and_compact_shapes():
+    q = quantize_blockwise(torch.randn(3, 100, 300, dtype=torch.bfloat16), columnwise=True)
+    assert q.shape == (3, 100, 300) and q.dtype == torch.bfloat16 and q.device.type == "cpu"
+    assert q.fp8_dtype == torch.float8_e4m3fn and q.block == "1x128" and not q.is_2D_scaled
+    assert q.rowwise_data.shape == (300, 300) and q.rowwise_data.dtype == torch.float8_e4m3fn
+    assert q.rowwise_scale_inv.shape == (300, 3) and q.rowwise_scale_inv.dtype == torch.float32
+    assert q.columnwise_data.shape == (300, 300) and q.columnwise_scale_inv.shape == (300, 3)
+    assert q.usages == ("rowwise", "columnwise")
+    assert "Float8BlockwiseQTensor(shape=[3, 100, 300]" in repr(q)
+
+
+def test_constructor_rejects_inconsistent_components():
+    d = torch.zeros(4, 256, dtype=torch.float8_e4m3fn)
+    s = torch.ones(4, 2)
+    ok = dict(shape=(4, 256), dtype=torch.bfloat16, fp8_dtype=torch.float8_e4m3fn)
+    Float8BlockwiseQTensor(**ok, rowwise_data=d, rowwise_scale_inv=s)
+    with pytest.raises(ValueError, match=r"rowwise_scale_inv must have COMPACT shape \[4, 2\], got \[2, 4\]"):
+        Float8BlockwiseQTensor(**ok, rowwise_data=d, rowwise_scale_inv=torch.ones(2, 4))
+    with pytest.raises(TypeError, match="rowwise_data must have dtype torch.float8_e4m3fn"):
+        Float8BlockwiseQTensor(**ok, rowwise_data=d.view(torch.uint8), rowwise_scale_inv=s)
+    with pytest.raises(ValueError, match=r"rowwise_data must have shape \[8, 256\], got \[4, 256\]"):
+        Float8BlockwiseQTensor(**{**ok, "shape": (8, 256)}, rowwise_data=d, rowwise_scale_inv=s)
+    with pytest.raises(ValueError, match="must be given together"):
+        Float8BlockwiseQTensor(**ok, rowwise_data=d)
+    with pytest.raises(TypeError, match="scale_inv must be float32"):
+        Float8BlockwiseQTensor(**ok, rowwise_data=d, rowwise_scale_inv=s.double())
+    with pytest.raises(ValueError, match="needs rowwise or columnwise data"):
+        Float8BlockwiseQTensor(**ok)
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        Float8BlockwiseQTensor(**{**ok, "dtype": torch.int32}, rowwise_data=d, rowwise_scale_inv=s)
+
+
+def test_dequantize_usages_and_dtypes():
+    x = torch.randn(200, 384)
+    q = quantize_blockwise(x, columnwise=True)
+    row, col = q.dequantize(), q.dequantize(usage="columnwise")
+    assert row.dtype == torch.float32 and col.shape == (200, 384)
+    assert q.dequantize(torch.bfloat16).dtype == torch.bfloat16
+    only_col = quantize_blockwise(x, rowwise=False, columnwise=True)
+    assert torch.equal(only_col.dequantize(), col)  # default usage: the one held
+    with pytest.raises(ValueError, match="holds no rowwise data"):
+        only_col.dequantize(usage="rowwise")
+    with pytest.raises(ValueError, match="usage must be 'rowwise' or 'columnwise'"):
+        q.dequantize(usage="both")
+    with pytest.raises(TypeError, match="dequantize dtype must be a floating dtype"):
+        q.dequantize(torch.int8)
+
+
+def test_split_is_zero_copy_and_differentiable():
+    x = torch.randn(300, 256, dtype=torch.bfloat16, requires_grad=True)
+    q = quantize_blockwise(x)
+    pieces = q.split([0, 1, 127, 172])
+    assert [p.shape[0] for p in pieces] == [0, 1, 127, 172]
+    assert pieces[2].rowwise_data.data_ptr() == q.rowwise_data[1:].data_ptr()
+    assert pieces[3].rowwise_scale_inv.data_ptr() == q.rowwise_scale_inv[128:].data_ptr()
+    for p, lo in zip(pieces, [0, 0, 1, 128]):
+        assert torch.equal(p.dequantize(), q.dequantize()[lo : lo + p.shape[0]])
+    (pieces[2].dequantize().sum() * 2 + pieces[3].dequantize().sum()).backward()
+    expected = torch.cat([torch.zeros(1, 256), torch.full((127, 256), 2.0), torch.ones(172, 256)])
+    assert torch.equal(x.grad.float(), expected)
+
+
+def test_split_of_columnwise_and_2d_needs_block_aligned_splits():
+    q = _q(columnwise=True)
+    a, b = q.split([128, 172])
+    assert a.columnwise_data.shape == (256, 128) and b.columnwise_scale_inv.shape == (256, 2)
+    assert torch.equal(b.dequantize(usage="columnwise"), q.dequantize(usage="columnwise")[128:])
+    with pytest.raises(ValueError, match="cut through 128-row scaling blocks of the columnwise copy"):
+        q.split([100, 200])
+    w = _q(block="128x128")
+    a, b = w.split([256, 44])
+    assert b.rowwise_scale_inv.shape == (1, 2)
+    with pytest.raises(ValueError, match="128x128"):
+        w.split([10, 290])
+
+
+@pytest.mark.parametrize(
+    "splits,exc,match",
+    [
+        (torch.tensor([100, 200]), TypeError, "list of Python ints"),
+        (300, TypeError, "list of Python ints"),
+        ([100, 100], ValueError, "sum to M=300"),
+        ([400, -100], ValueError, ">= 0"),
+    ],
+    ids=["tensor", "int", "sum", "negative"],
+)
+def test_split_bad_input(splits, exc, match):
+    with pytest.raises(exc, match=match):
+        _q().split(splits)
+
+
+def test_view_and_reshape_keep_storage_and_gradients():
+    x = torch.randn(6, 256, requires_grad=True)
+    q = quantize_blockwise(x)
+    v = q.view(2, 3, 256)
+    assert isinstance(v, Float8BlockwiseQTensor) and v.shape == (2, 3, 256)
+    assert v.rowwise_data.data_ptr() == q.rowwise_data.data_ptr()
+    r = v.reshape(-1, 256)
+    assert r.shape == (6, 256)
+    (v.dequantize() * torch.arange(6.0).view(2, 3, 1)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(6.0).view(6, 1).expand(6, 256))
+    with pytest.raises(ValueError, match="only reshape between"):
+        q.view(12, 128)
+
+
+def test_passes_through_autograd_function_and_save_for_backward():
+    class ScaledSum(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t, w):
+            ctx.save_for_backward(t, w)
+            return (t.dequantize() * w).sum()
+
+        @staticmethod
+        def backward(ctx, g):
+            t, w = ctx.saved_tensors
+            assert isinstance(t, Float8BlockwiseQTensor)
+            return (g * w).to(t.dtype), g * t.dequantize()
+
+    x = torch.randn(4, 256, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 256, requires_grad=True)
+    q = quantize_blockwise(x)
+    ScaledSum.apply(q, w).backward()
+    assert torch.equal(x.grad, w.detach().to(torch.bfloat16))
+    assert torch.equal(w.grad, q.dequantize().detach())
+
+
+def test_dispatch_falls_back_to_dequantized_values_and_refuses_writes():
+    q = _q(m=4)
+    out = q + 1
+    assert type(out) is torch.Tensor and out.dtype == torch.bfloat16
+    assert torch.equal(out, q.dequantize(torch.bfloat16) + 1)
+    assert torch.equal(q.float(), q.dequantize())
+    d = q.detach()
+    assert isinstance(d, Float8BlockwiseQTensor) and d.rowwise_data.data_ptr() == q.rowwise_data.data_ptr()
+    c = q.clone()
+    assert c.rowwise_data.data_ptr() != q.rowwise_data.data_ptr() and torch.equal(c.float(), q.float())
+    with pytest.raises(TypeError, match="would write into a Float8BlockwiseQTensor"):
+        q.add_(1)
+    with pytest.raises(TypeError, match="would write into a Float8BlockwiseQTensor"):
+        q.copy_(torch.zeros(4, 256))
+    plain = torch.empty(4, 256, dtype=torch.bfloat16)
+    plain.copy_(q)  # writing *from* it is fine
+    assert torch.equal(plain, q.dequantize(torch.bfloat16))
+
+
+def test_update_usage():
+    w = _q(block="128x128")
+    w.update_usage(columnwise_usage=True)
+    assert w.usages == ("rowwise", "columnwise")
+    assert torch.equal(w.columnwise_data.view(torch.uint8), w.rowwise_data.view(torch.uint8).t())
+    assert torch.equal(w.dequantize(usage="columnwise"), w.dequantize())
+    w.update_usage(rowwise_usage=False)
+    assert w.usages == ("columnwise",)
+    w.update_usage(rowwise_usage=True)
+    assert w.usages == ("rowwise", "columnwise")
+    a = _q()
+    with pytest.raises(ValueError, match="scaling-aware transpose"):
+        a.update_usage(columnwise_usage=True)
+    with pytest.raises(ValueError, match="must keep rowwise or columnwise"):
+        a.update_usage(rowwise_usage=False)
+
+
+def test_pickle_round_trip():
+    q = _q(columnwise=True)
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    r = torch.load(buf, weights_only=False)
+    assert isinstance(r, Float8BlockwiseQTensor) and r.usages == q.usages
+    assert torch.equal(r.dequantize(), q.dequantize())
+    assert torch.equal(r.dequantize(usage="columnwise"), q.dequantize(usage="columnwise"))

@@ -1,0 +1,22 @@
+"""FP8-Flow-MoE: keep the Mixture-of-Experts expert path in blockwise FP8.
+
+Public names are re-exported here; see README.md and docs/ for the design.
+"""
+
+from .ops.quantize import quantize_blockwise
+from .quantizer import Float8BlockQuantizer
+from .recipe import FP8FlowRecipe, Format, Role
+from .tensor import Float8BlockwiseQTensor, from_te, to_te
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FP8FlowRecipe",
+    "Float8BlockQuantizer",
+    "Float8BlockwiseQTensor",
+    "Format",
+    "Role",
+    "from_te",
+    "quantize_blockwise",
+    "to_te",
+]

@@ -1,0 +1,155 @@
+"""``quantize_blockwise``: high-precision tensor -> Float8BlockwiseQTensor (COMPACT).
+
+Argument checks, the autograd rule (straight-through: the gradient of the
+quantized tensor is passed to the input unchanged) and the choice between the
+Triton kernel and the reference live here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..recipe import BLOCKS, FP8_DTYPES, HIGH_PRECISION_DTYPES, check_amax_epsilon
+from ..reference import quantize as ref
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from .backend import use_triton
+
+
+@dataclass(frozen=True, slots=True)
+class QuantizeArgs:
+    """Everything but the input that fixes a blockwise quantization."""
+
+    block: str = "1x128"
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn
+    pow2_scales: bool = True
+    amax_epsilon: float = 0.0
+    rowwise: bool = True
+    columnwise: bool = False
+    backend: str = "auto"
+
+    def __post_init__(self):
+        if self.block not in BLOCKS:
+            raise ValueError(f"block must be one of {BLOCKS}, got {self.block!r}")
+        if self.fp8_dtype not in FP8_DTYPES:
+            raise TypeError(f"fp8_dtype must be one of {FP8_DTYPES}, got {self.fp8_dtype}")
+        for name in ("pow2_scales", "rowwise", "columnwise"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not (self.rowwise or self.columnwise):
+            raise ValueError("at least one of rowwise and columnwise must be True")
+        check_amax_epsilon(self.amax_epsilon)
+
+
+def check_quantize_input(x, name: str = "x") -> torch.Tensor:
+    """Validate a quantization input ``[..., K]``; return its ``[M, K]`` view (no copy)."""
+    if isinstance(x, Float8BlockwiseQTensor):
+        raise TypeError(f"{name} is already a Float8BlockwiseQTensor; dequantize() it first")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{name} must have dtype in {HIGH_PRECISION_DTYPES}, got {x.dtype}")
+    if x.dim() < 2:
+        raise ValueError(f"{name} must be at least 2-D [..., K], got shape {list(x.shape)}")
+    if x.shape[-1] == 0:
+        raise ValueError(f"{name} has an empty last dimension K: shape {list(x.shape)}")
+    if x.stride(-1) != 1 and x.numel() > 1:
+        raise ValueError(
+            f"{name} must have unit stride in its last dimension, got strides {x.stride()} "
+            f"for shape {list(x.shape)}; call .contiguous() first"
+        )
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        raise ValueError(
+            f"{name} of shape {list(x.shape)} and strides {x.stride()} cannot be viewed as "
+            "[M, K] without a copy; call .contiguous() first"
+        ) from None
+
+
+def quantize_2d(x2d: torch.Tensor, args: QuantizeArgs) -> dict:
+    """Quantize a checked ``[M, K]`` tensor; return the Float8BlockwiseQTensor components."""
+    kernel = use_triton(args.backend, x2d, "quantize_blockwise")
+    common = (args.fp8_dtype, args.pow2_scales, args.amax_epsilon)
+    out = dict.fromkeys(
+        ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
+    )
+    if args.block == "128x128":
+        if kernel:
+            from ..kernels import quantize as kq
+
+            q, s = kq.quantize_2d(x2d, *common)
+        else:
+            q, s = ref.quantize_128x128(x2d, *common)
+        if args.rowwise:
+            out.update(rowwise_data=q, rowwise_scale_inv=s)
+        if args.columnwise:  # 128x128 scales are transpose-invariant
+            out.update(columnwise_data=q.t().contiguous(), columnwise_scale_inv=s.t().contiguous())
+        return out
+    if kernel:
+        from ..kernels import quantize as kq
+
+        (q, s), (qt, st) = kq.quantize_1d(x2d, *common, args.rowwise, args.columnwise)
+    else:
+        q, s = ref.quantize_1x128(x2d, *common) if args.rowwise else (None, None)
+        qt, st = ref.quantize_128x1(x2d, *common) if args.columnwise else (None, None)
+    out.update(rowwise_data=q, rowwise_scale_inv=s, columnwise_data=qt, columnwise_scale_inv=st)
+    return out
+
+
+class _Quantize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, args: QuantizeArgs):
+        return Float8BlockwiseQTensor(
+            shape=x.shape,
+            dtype=x.dtype,
+            fp8_dtype=args.fp8_dtype,
+            is_2D_scaled=args.block == "128x128",
+            **quantize_2d(x.view(-1, x.shape[-1]), args),
+        )
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def quantize_blockwise(
+    x: torch.Tensor,
+    block: str = "1x128",
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    pow2_scales: bool = True,
+    amax_epsilon: float = 0.0,
+    *,
+    rowwise: bool = True,
+    columnwise: bool = False,
+    backend: str = "auto",
+) -> Float8BlockwiseQTensor:
+    """Quantize ``x [..., K]`` (bf16/fp16/fp32) to blockwise FP8 with COMPACT scales.
+
+    Args:
+        x: input; leading dims flatten into M; unit stride along K. K need not
+            be a multiple of 128 (the last block is scaled over its valid
+            elements, as TransformerEngine does); M may be 0.
+        block: ``"1x128"`` (activations, gradients) or ``"128x128"`` (weights).
+        fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        pow2_scales: round scales down to powers of two.
+        amax_epsilon: floor on each block's amax.
+        rowwise: produce the rowwise copy: data ``[M, K]``, scale_inv
+            ``[M, ceil(K/128)]`` (128x128: ``[ceil(M/128), ceil(K/128)]``).
+        columnwise: produce the columnwise copy: data ``[K, M]``, scale_inv
+            ``[K, ceil(M/128)]`` from 128x1 blocks along M (128x128: the
+            transposed blocks, same scales).
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``ops.backend``).
+
+    Returns a Float8BlockwiseQTensor of ``x``'s shape and nominal dtype; the
+    gradient flows straight through to ``x``.
+    """
+    args = QuantizeArgs(block, fp8_dtype, pow2_scales, amax_epsilon, rowwise, columnwise, backend)
+    return quantize_with_args(x, args)
+
+
+def quantize_with_args(x: torch.Tensor, args: QuantizeArgs) -> Float8BlockwiseQTensor:
+    """``quantize_blockwise`` with its settings bundled in ``args``."""
+    check_quantize_input(x)
+    return _Quantize.apply(x, args)

@@ -1,0 +1,103 @@
+"""Float8BlockQuantizer: a reusable quantization configuration, named after TransformerEngine's."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .ops.quantize import QuantizeArgs, quantize_with_args
+from .recipe import FP8FlowRecipe, Role
+from .tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+
+
+class Float8BlockQuantizer:
+    """Builds Float8BlockwiseQTensors with fixed settings.
+
+    Args mirror TransformerEngine's ``Float8BlockQuantizer`` (``fp8_dtype`` is a
+    torch FP8 dtype here): ``rowwise``/``columnwise`` usages,
+    ``amax_epsilon``, ``force_pow_2_scales`` and ``block_scaling_dim`` (1 for
+    1x128 / 128x1 blocks, 2 for 128x128). ``backend`` as in ``quantize_blockwise``.
+    """
+
+    def __init__(
+        self,
+        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        *,
+        rowwise: bool = True,
+        columnwise: bool = False,
+        amax_epsilon: float = 0.0,
+        force_pow_2_scales: bool = True,
+        block_scaling_dim: int = 1,
+        backend: str = "auto",
+    ):
+        if block_scaling_dim not in (1, 2):
+            raise ValueError(f"block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
+        self._args = QuantizeArgs(
+            "128x128" if block_scaling_dim == 2 else "1x128",
+            fp8_dtype, force_pow_2_scales, amax_epsilon, rowwise, columnwise, backend,
+        )
+
+    @classmethod
+    def from_recipe(
+        cls, recipe: FP8FlowRecipe, role: Role, *, rowwise: bool = True, columnwise: bool = False,
+        backend: str = "auto",
+    ) -> "Float8BlockQuantizer":
+        """The quantizer ``recipe`` prescribes for tensors of ``role``."""
+        return cls(
+            recipe.fp8_dtype(role),
+            rowwise=rowwise,
+            columnwise=columnwise,
+            amax_epsilon=recipe.amax_epsilon,
+            force_pow_2_scales=recipe.power_2_scales,
+            block_scaling_dim=2 if recipe.block(role) == "128x128" else 1,
+            backend=backend,
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The FP8 dtype produced (TE's quantizer calls this ``dtype`` too)."""
+        return self._args.fp8_dtype
+
+    @property
+    def block_scaling_dim(self) -> int:
+        return 2 if self._args.block == "128x128" else 1
+
+    @property
+    def force_pow_2_scales(self) -> bool:
+        return self._args.pow2_scales
+
+    @property
+    def amax_epsilon(self) -> float:
+        return self._args.amax_epsilon
+
+    @property
+    def rowwise_usage(self) -> bool:
+        return self._args.rowwise
+
+    @property
+    def columnwise_usage(self) -> bool:
+        return self._args.columnwise
+
+    def set_usage(self, *, rowwise: Optional[bool] = None, columnwise: Optional[bool] = None) -> None:
+        """Change which copies ``quantize`` produces."""
+        self._args = dataclasses.replace(
+            self._args,
+            rowwise=self._args.rowwise if rowwise is None else rowwise,
+            columnwise=self._args.columnwise if columnwise is None else columnwise,
+        )
+
+    def quantize(self, x: torch.Tensor) -> Float8BlockwiseQTensor:
+        """Quantize ``x [..., K]``; differentiable (straight-through)."""
+        return quantize_with_args(x, self._args)
+
+    __call__ = quantize
+
+    def __repr__(self):
+        a = self._args
+        return (
+            f"Float8BlockQuantizer(fp8_dtype={a.fp8_dtype}, block={a.block}, rowwise={a.rowwise}, "
+            f"columnwise={a.columnwise}, force_pow_2_scales={a.pow2_scales}, "
+            f"amax_epsilon={a.amax_epsilon}, backend={a.backend!r})"
+        )

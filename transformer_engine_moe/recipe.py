@@ -1,0 +1,97 @@
+"""FP8-Flow recipe: which FP8 format and block shape each tensor role uses.
+
+Mirrors TransformerEngine's ``Float8BlockScaling`` recipe (1x128 blocks for
+activations and gradients, 128x128 blocks for weights, power-of-two scales),
+as a small frozen dataclass passed explicitly, never read from global state.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+BLOCK_SIZE = 128
+"""Edge length of every quantization block (1x128, 128x1, 128x128)."""
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BLOCKS = ("1x128", "128x128")
+
+
+class Format(enum.Enum):
+    """FP8 format of a recipe, named as in TransformerEngine.
+
+    ``E4M3``: every tensor in E4M3. ``HYBRID``: E4M3 in the forward pass
+    (activations, weights), E5M2 for gradients.
+    """
+
+    E4M3 = "E4M3"
+    HYBRID = "HYBRID"
+
+
+class Role(enum.Enum):
+    """What a quantized tensor is, which fixes its FP8 dtype and block shape."""
+
+    INPUT = "input"  # activations entering a GEMM: 1x128
+    WEIGHT = "weight"  # expert weights: 128x128
+    GRAD = "grad"  # output gradients entering dgrad/wgrad: 1x128
+
+
+@dataclass(frozen=True, slots=True)
+class FP8FlowRecipe:
+    """Blockwise FP8 recipe for the FP8-Flow MoE path.
+
+    Args:
+        fp8_format: ``Format.E4M3`` or ``Format.HYBRID`` (E5M2 gradients).
+        power_2_scales: round every scale down to a power of two (required by
+            the scaling-aware transpose, which shifts exponents).
+        amax_epsilon: floor applied to each block's amax before the scale is
+            computed (TransformerEngine's ``amax_epsilon``).
+    """
+
+    fp8_format: Format = Format.E4M3
+    power_2_scales: bool = True
+    amax_epsilon: float = 0.0
+
+    def __post_init__(self):
+        if not isinstance(self.fp8_format, Format):
+            raise TypeError(
+                f"fp8_format must be a transformer_engine_moe.Format, got {self.fp8_format!r}"
+            )
+        check_amax_epsilon(self.amax_epsilon)
+
+    def fp8_dtype(self, role: Role) -> torch.dtype:
+        """The torch FP8 dtype for tensors of ``role``."""
+        if role is Role.GRAD and self.fp8_format is Format.HYBRID:
+            return torch.float8_e5m2
+        return torch.float8_e4m3fn
+
+    @staticmethod
+    def block(role: Role) -> str:
+        """The block shape for tensors of ``role``: ``"128x128"`` or ``"1x128"``."""
+        return "128x128" if role is Role.WEIGHT else "1x128"
+
+
+def check_amax_epsilon(amax_epsilon) -> None:
+    """Raise ValueError unless ``amax_epsilon`` is a finite float >= 0."""
+    if not isinstance(amax_epsilon, (int, float)) or isinstance(amax_epsilon, bool):
+        raise TypeError(f"amax_epsilon must be a float, got {type(amax_epsilon).__name__}")
+    if not math.isfinite(amax_epsilon) or amax_epsilon < 0:
+        raise ValueError(f"amax_epsilon must be finite and >= 0, got {amax_epsilon}")
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    """Largest finite value of an FP8 dtype: 448 (E4M3), 57344 (E5M2)."""
+    return float(torch.finfo(fp8_dtype).max)
+
+
+def scale_value_for_inf(dtype: torch.dtype) -> float:
+    """Scale used when ``fp8_max / amax`` overflows float32.
+
+    TransformerEngine uses the largest finite value of the *input* dtype
+    (``compute_scale_from_types``): bf16 max, fp16 max, or float32 max.
+    """
+    return float(torch.finfo(dtype).max)
