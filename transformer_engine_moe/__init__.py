@@ -3,7 +3,7 @@
 Public names are re-exported here; see README.md and docs/ for the design.
 """
 
-from .ops.quantize import quantize_blockwise
+from .ops import dequantize_blockwise, quantize_blockwise, scaling_aware_transpose
 from .quantizer import Float8BlockQuantizer
 from .recipe import FP8FlowRecipe, Format, Role
 from .tensor import Float8BlockwiseQTensor, from_te, to_te
@@ -16,7 +16,9 @@ __all__ = [
     "Float8BlockwiseQTensor",
     "Format",
     "Role",
+    "dequantize_blockwise",
     "from_te",
     "quantize_blockwise",
+    "scaling_aware_transpose",
     "to_te",
 ]

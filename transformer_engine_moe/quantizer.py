@@ -88,9 +88,10 @@ class Float8BlockQuantizer:
             columnwise=self._args.columnwise if columnwise is None else columnwise,
         )
 
-    def quantize(self, x: torch.Tensor) -> Float8BlockwiseQTensor:
-        """Quantize ``x [..., K]``; differentiable (straight-through)."""
-        return quantize_with_args(x, self._args)
+    def quantize(self, x: torch.Tensor, *, m_splits=None) -> Float8BlockwiseQTensor:
+        """Quantize ``x [..., K]``; differentiable (straight-through). ``m_splits`` groups
+        the 128x1 columnwise blocks, as in ``quantize_blockwise``."""
+        return quantize_with_args(x, self._args, m_splits)
 
     __call__ = quantize
 

@@ -52,6 +52,19 @@ def test_1x128_kernel_matches_reference(fp8, dtype, shape, usage):
     )
 
 
+@pytest.mark.parametrize(
+    "groups", [[0, 16, 128, 160, 32], [0, 1, 127, 128, 80]], ids=["16-aligned", "ragged"]
+)
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_grouped_128x1_kernel_matches_reference(groups, as_tensor):
+    x = _input(sum(groups), 300, torch.bfloat16)
+    m_splits = torch.tensor(groups, device=x.device) if as_tensor else groups
+    kw = dict(rowwise=False, columnwise=True, m_splits=m_splits)
+    a = quantize_blockwise(x, backend="triton", **kw)
+    assert_same_fp8(a, quantize_blockwise(x, backend="reference", **kw))
+    assert (a.columnwise_m_splits is m_splits) if as_tensor else (a.columnwise_m_splits == groups)
+
+
 @pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize("shape", [(1, 1), (200, 333), (256, 128)], ids=str)
 def test_128x128_kernel_matches_reference(fp8, shape):
@@ -96,13 +109,18 @@ def test_dequantize_round_trip_within_half_an_fp8_step(fp8, block):
     q = quantize_blockwise(x, block, fp8, columnwise=True)
     mbits = 3 if fp8 == torch.float8_e4m3fn else 2
     bias = 7 if fp8 == torch.float8_e4m3fn else 15
-    dq = ref.dequantize_128x128 if block == "128x128" else ref.dequantize_1x128
     for usage in ("rowwise", "columnwise"):
         y = q.dequantize(usage=usage)
         assert y.shape == x.shape and y.dtype == torch.float32
         data, sinv = getattr(q, f"{usage}_data"), getattr(q, f"{usage}_scale_inv")
-        scale_inv = dq(torch.ones(data.shape), sinv, torch.float32)  # per element
-        scale_inv = scale_inv if usage == "rowwise" else scale_inv.t()
+        ones = torch.ones(data.shape)
+        if block == "128x128":  # per-element scale_inv
+            scale_inv = ref.dequantize_128x128(ones, sinv, torch.float32)
+            scale_inv = scale_inv if usage == "rowwise" else scale_inv.t()
+        elif usage == "rowwise":
+            scale_inv = ref.dequantize_1x128(ones, sinv, torch.float32)
+        else:
+            scale_inv = ref.dequantize_128x1(ones, sinv, torch.float32)
         # half an ulp for normals, half the subnormal step (times scale_inv) below them
         bound = torch.maximum(x.abs() * 2.0 ** -(mbits + 1), scale_inv * 2.0 ** (-bias - mbits))
         assert ((y - x).abs() <= bound).all()
@@ -161,9 +179,12 @@ def test_quantizer_and_recipe():
         (lambda: torch.randn(4, 128), {"rowwise": False}, ValueError, "at least one of rowwise"),
         (lambda: torch.randn(4, 128), {"pow2_scales": 1}, TypeError, "pow2_scales must be a bool"),
         (lambda: torch.randn(4, 128), {"backend": "cuda"}, ValueError, "backend must be one of"),
+        (lambda: torch.randn(4, 128), {"m_splits": [4]}, ValueError, "needs block='1x128', columnwise=True"),
+        (lambda: torch.randn(4, 128), {"m_splits": [1, 2], "columnwise": True}, ValueError, "sum to M=4"),
     ],
     ids=["1d", "int", "fp8-in", "transposed", "non-viewable", "k0", "list", "quantized", "block",
-         "fp8-dtype", "neg-eps", "nan-eps", "no-usage", "pow2-int", "backend"],
+         "fp8-dtype", "neg-eps", "nan-eps", "no-usage", "pow2-int", "backend", "splits-rowwise",
+         "splits-sum"],
 )
 def test_bad_input_is_rejected_clearly(make_x, kwargs, exc, match):
     with pytest.raises(exc, match=match):
@@ -196,9 +217,9 @@ def test_gpu_kernel_bitwise_at_full_size(fp8):
 def test_gpu_software_cast_equals_hardware_cast(fp8):
     """The interpreter's integer rounding path gives the GPU's hardware-cast bits."""
     x = _input(4096, 1024, torch.float32, "cuda") * torch.rand(4096, 1024, device="cuda")
-    hw = kq.quantize_1d(x, fp8, True, 0.0, True, True, software_cast=False)
-    sw = kq.quantize_1d(x, fp8, True, 0.0, True, True, software_cast=True)
-    for (a, sa), (b, sb) in zip(hw, sw):
+    for launch in (kq.quantize_1x128, kq.quantize_128x1, kq.quantize_128x128):
+        a, sa = launch(x, fp8, True, 0.0, software_cast=False)
+        b, sb = launch(x, fp8, True, 0.0, software_cast=True)
         assert torch.equal(sa, sb) and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
@@ -219,6 +240,6 @@ def test_gpu_hot_path_has_no_host_sync():
 def test_rowwise_launch_shapes_agree(config):
     """Every launch shape the benchmark sweeps computes the same bits (ragged last K tile)."""
     x = _input(70, 1000, torch.bfloat16)
-    (q, s), _ = kq.quantize_1d(x, torch.float8_e4m3fn, True, 0.0, config=config)
+    q, s = kq.quantize_1x128(x, torch.float8_e4m3fn, True, 0.0, config=config)
     rq, rs = ref.quantize_1x128(x, torch.float8_e4m3fn)
     assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))

@@ -18,7 +18,8 @@ def test_metadata_and_compact_shapes():
     assert q.fp8_dtype == torch.float8_e4m3fn and q.block == "1x128" and not q.is_2D_scaled
     assert q.rowwise_data.shape == (300, 300) and q.rowwise_data.dtype == torch.float8_e4m3fn
     assert q.rowwise_scale_inv.shape == (300, 3) and q.rowwise_scale_inv.dtype == torch.float32
-    assert q.columnwise_data.shape == (300, 300) and q.columnwise_scale_inv.shape == (300, 3)
+    assert q.columnwise_data.shape == (300, 300) and q.columnwise_scale_inv.shape == (3, 300)
+    assert q.pow2_scales and q.columnwise_m_splits is None
     assert q.usages == ("rowwise", "columnwise")
     assert "Float8BlockwiseQTensor(shape=[3, 100, 300]" in repr(q)
 
@@ -77,9 +78,9 @@ def test_split_is_zero_copy_and_differentiable():
 def test_split_of_columnwise_and_2d_needs_block_aligned_splits():
     q = _q(columnwise=True)
     a, b = q.split([128, 172])
-    assert a.columnwise_data.shape == (256, 128) and b.columnwise_scale_inv.shape == (256, 2)
+    assert a.columnwise_data.shape == (256, 128) and b.columnwise_scale_inv.shape == (2, 256)
     assert torch.equal(b.dequantize(usage="columnwise"), q.dequantize(usage="columnwise")[128:])
-    with pytest.raises(ValueError, match="cut through 128-row scaling blocks of the columnwise copy"):
+    with pytest.raises(ValueError, match=r"\[100, 200\] cut through 128-row blocks of the columnwise copy \(groups \[300\]\)"):
         q.split([100, 200])
     w = _q(block="128x128")
     a, b = w.split([256, 44])
@@ -168,10 +169,16 @@ def test_update_usage():
     w.update_usage(rowwise_usage=True)
     assert w.usages == ("rowwise", "columnwise")
     a = _q()
-    with pytest.raises(ValueError, match="scaling-aware transpose"):
-        a.update_usage(columnwise_usage=True)
+    a.update_usage(columnwise_usage=True, m_splits=[100, 200])  # the scaling-aware transpose
+    assert a.usages == ("rowwise", "columnwise") and a.columnwise_m_splits == [100, 200]
+    assert a.columnwise_scale_inv.shape == (1 + 2, 256)
     with pytest.raises(ValueError, match="must keep rowwise or columnwise"):
-        a.update_usage(rowwise_usage=False)
+        a.update_usage(rowwise_usage=False, columnwise_usage=False)
+    a.update_usage(rowwise_usage=False)
+    with pytest.raises(ValueError, match="cannot recover rowwise data"):
+        a.update_usage(rowwise_usage=True)
+    with pytest.raises(ValueError, match="not powers of two"):
+        _q(pow2_scales=False).update_usage(columnwise_usage=True)
 
 
 def test_pickle_round_trip():

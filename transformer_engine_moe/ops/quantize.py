@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..layout import MSplits, check_m_splits
 from ..recipe import BLOCKS, FP8_DTYPES, HIGH_PRECISION_DTYPES, check_amax_epsilon
 from ..reference import quantize as ref
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
@@ -68,50 +69,46 @@ def check_quantize_input(x, name: str = "x") -> torch.Tensor:
         ) from None
 
 
-def quantize_2d(x2d: torch.Tensor, args: QuantizeArgs) -> dict:
+def quantize_2d(x2d: torch.Tensor, args: QuantizeArgs, m_splits: MSplits = None) -> dict:
     """Quantize a checked ``[M, K]`` tensor; return the Float8BlockwiseQTensor components."""
     kernel = use_triton(args.backend, x2d, "quantize_blockwise")
+    if kernel:
+        from ..kernels import quantize as impl
+    else:
+        impl = ref
     common = (args.fp8_dtype, args.pow2_scales, args.amax_epsilon)
-    out = dict.fromkeys(
-        ("rowwise_data", "rowwise_scale_inv", "columnwise_data", "columnwise_scale_inv")
-    )
+    out = {}
     if args.block == "128x128":
-        if kernel:
-            from ..kernels import quantize as kq
-
-            q, s = kq.quantize_2d(x2d, *common)
-        else:
-            q, s = ref.quantize_128x128(x2d, *common)
+        q, s = impl.quantize_128x128(x2d, *common)
         if args.rowwise:
             out.update(rowwise_data=q, rowwise_scale_inv=s)
         if args.columnwise:  # 128x128 scales are transpose-invariant
             out.update(columnwise_data=q.t().contiguous(), columnwise_scale_inv=s.t().contiguous())
         return out
-    if kernel:
-        from ..kernels import quantize as kq
-
-        (q, s), (qt, st) = kq.quantize_1d(x2d, *common, args.rowwise, args.columnwise)
-    else:
-        q, s = ref.quantize_1x128(x2d, *common) if args.rowwise else (None, None)
-        qt, st = ref.quantize_128x1(x2d, *common) if args.columnwise else (None, None)
-    out.update(rowwise_data=q, rowwise_scale_inv=s, columnwise_data=qt, columnwise_scale_inv=st)
+    if args.rowwise:
+        q, s = impl.quantize_1x128(x2d, *common)
+        out.update(rowwise_data=q, rowwise_scale_inv=s)
+    if args.columnwise:
+        qt, st = impl.quantize_128x1(x2d, *common, m_splits=m_splits)
+        out.update(columnwise_data=qt, columnwise_scale_inv=st, columnwise_m_splits=m_splits)
     return out
 
 
 class _Quantize(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, args: QuantizeArgs):
+    def forward(ctx, x, args: QuantizeArgs, m_splits):
         return Float8BlockwiseQTensor(
             shape=x.shape,
             dtype=x.dtype,
             fp8_dtype=args.fp8_dtype,
             is_2D_scaled=args.block == "128x128",
-            **quantize_2d(x.view(-1, x.shape[-1]), args),
+            pow2_scales=args.pow2_scales,
+            **quantize_2d(x.view(-1, x.shape[-1]), args, m_splits),
         )
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return grad, None, None
 
 
 def quantize_blockwise(
@@ -123,6 +120,7 @@ def quantize_blockwise(
     *,
     rowwise: bool = True,
     columnwise: bool = False,
+    m_splits: MSplits = None,
     backend: str = "auto",
 ) -> Float8BlockwiseQTensor:
     """Quantize ``x [..., K]`` (bf16/fp16/fp32) to blockwise FP8 with COMPACT scales.
@@ -137,19 +135,27 @@ def quantize_blockwise(
         amax_epsilon: floor on each block's amax.
         rowwise: produce the rowwise copy: data ``[M, K]``, scale_inv
             ``[M, ceil(K/128)]`` (128x128: ``[ceil(M/128), ceil(K/128)]``).
-        columnwise: produce the columnwise copy: data ``[K, M]``, scale_inv
-            ``[K, ceil(M/128)]`` from 128x1 blocks along M (128x128: the
-            transposed blocks, same scales).
+        columnwise: produce the columnwise copy: data ``[K, M]``, block-major
+            scale_inv ``[num_column_blocks, K]`` from 128x1 blocks along M (128x128:
+            the transposed blocks, same scales).
+        m_splits: groups of rows (experts) the 128x1 blocks restart at: a host
+            list or a device int tensor (see ``layout.py``); 1x128 columnwise only.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``ops.backend``).
 
     Returns a Float8BlockwiseQTensor of ``x``'s shape and nominal dtype; the
     gradient flows straight through to ``x``.
     """
     args = QuantizeArgs(block, fp8_dtype, pow2_scales, amax_epsilon, rowwise, columnwise, backend)
-    return quantize_with_args(x, args)
+    return quantize_with_args(x, args, m_splits)
 
 
-def quantize_with_args(x: torch.Tensor, args: QuantizeArgs) -> Float8BlockwiseQTensor:
+def quantize_with_args(x: torch.Tensor, args: QuantizeArgs, m_splits: MSplits = None) -> Float8BlockwiseQTensor:
     """``quantize_blockwise`` with its settings bundled in ``args``."""
-    check_quantize_input(x)
-    return _Quantize.apply(x, args)
+    x2d = check_quantize_input(x)
+    if m_splits is not None:
+        if args.block != "1x128" or not args.columnwise:
+            raise ValueError("m_splits groups the 128x1 columnwise blocks: needs block='1x128', columnwise=True")
+        m_splits = check_m_splits(m_splits, x2d.shape[0])
+        if isinstance(m_splits, torch.Tensor):
+            torch._assert_async(m_splits.sum() == x2d.shape[0], "m_splits must sum to M")
+    return _Quantize.apply(x, args, m_splits)

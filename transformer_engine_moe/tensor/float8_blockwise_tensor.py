@@ -4,7 +4,7 @@ Shaped after TransformerEngine's ``Float8BlockwiseQTensor`` and usable without
 it. The tensor reports the logical shape ``[..., K]`` and the nominal dtype
 (e.g. bf16); it holds a rowwise copy (1x128 or 128x128 blocks) and/or a
 columnwise copy (128x1 or 128x128 blocks) in the COMPACT layout described in
-:mod:`transformer_engine_moe.tensor.layout`. Leading dimensions flatten into M:
+:mod:`transformer_engine_moe.layout`. Leading dimensions flatten into M:
 rowwise data is always stored ``[M, K]``, so ``split(m_splits)`` along M is a
 zero-copy view of data and scales.
 
@@ -23,21 +23,23 @@ from typing import Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from ..layout import MSplits, check_m_splits, compact_to_gemm_ready, num_column_blocks
 from ..recipe import BLOCK_SIZE, FP8_DTYPES, HIGH_PRECISION_DTYPES
-from ..reference.quantize import dequantize_1x128, dequantize_128x128
-from .layout import compact_to_gemm_ready
+from ..reference.quantize import dequantize_128x1, dequantize_1x128, dequantize_128x128
 
 aten = torch.ops.aten
 
 USAGES = ("rowwise", "columnwise")
 
 
-def scale_inv_shape(m: int, k: int, is_2D_scaled: bool, columnwise: bool) -> tuple[int, int]:
-    """COMPACT scale_inv shape for a logical ``[M, K]`` tensor."""
+def scale_inv_shape(
+    m: int, k: int, is_2D_scaled: bool, columnwise: bool, m_splits: MSplits = None
+) -> tuple[int, int]:
+    """COMPACT scale_inv shape for a logical ``[M, K]`` tensor (columnwise 128x1: grouped by ``m_splits``)."""
     nmb, nkb = -(-m // BLOCK_SIZE), -(-k // BLOCK_SIZE)
     if is_2D_scaled:
         return (nkb, nmb) if columnwise else (nmb, nkb)
-    return (k, nmb) if columnwise else (m, nkb)
+    return (num_column_blocks(m, m_splits), k) if columnwise else (m, nkb)
 
 
 def _check_component(name, data, scale_inv, data_shape, scale_shape, fp8_dtype, device):
@@ -49,7 +51,7 @@ def _check_component(name, data, scale_inv, data_shape, scale_shape, fp8_dtype, 
         raise TypeError(f"{name}_data must have dtype {fp8_dtype}, got {data.dtype}")
     if tuple(data.shape) != data_shape:
         raise ValueError(f"{name}_data must have shape {list(data_shape)}, got {list(data.shape)}")
-    if data.stride(-1) != 1 and data.numel() > 0:
+    if data.shape[-1] > 1 and data.stride(-1) != 1 and data.numel() > 0:
         raise ValueError(f"{name}_data must be unit-stride in its last dimension, strides {data.stride()}")
     if scale_inv.dtype != torch.float32:
         raise TypeError(f"{name}_scale_inv must be float32, got {scale_inv.dtype}")
@@ -71,8 +73,12 @@ class Float8BlockwiseQTensor(torch.Tensor):
         rowwise_data: FP8 ``[M, K]``; rowwise_scale_inv: float32 ``[M, ceil(K/128)]``
             (1x128) or ``[ceil(M/128), ceil(K/128)]`` (128x128).
         columnwise_data: FP8 ``[K, M]``; columnwise_scale_inv: float32
-            ``[K, ceil(M/128)]`` (128x1) or ``[ceil(K/128), ceil(M/128)]`` (128x128).
+            ``[num_column_blocks, K]`` (128x1) or ``[ceil(K/128), ceil(M/128)]`` (128x128).
+        columnwise_m_splits: groups of rows (list or device tensor) whose 128x1
+            columnwise blocks restart at each group boundary; None: one group.
         is_2D_scaled: 128x128 blocks (weights) instead of 1x128 / 128x1.
+        pow2_scales: every scale is a power of two (what the scaling-aware
+            transpose needs); set by the quantizer.
         requires_grad: as for any tensor.
     """
 
@@ -89,7 +95,9 @@ class Float8BlockwiseQTensor(torch.Tensor):
         rowwise_scale_inv: Optional[torch.Tensor] = None,
         columnwise_data: Optional[torch.Tensor] = None,
         columnwise_scale_inv: Optional[torch.Tensor] = None,
+        columnwise_m_splits: MSplits = None,
         is_2D_scaled: bool = False,
+        pow2_scales: bool = False,
         requires_grad: bool = False,
     ):
         shape = torch.Size(shape)
@@ -104,13 +112,16 @@ class Float8BlockwiseQTensor(torch.Tensor):
         device = (rowwise_data if rowwise_data is not None else columnwise_data).device
         k = shape[-1]
         m = math.prod(shape[:-1])
+        if columnwise_m_splits is not None and (is_2D_scaled or columnwise_data is None):
+            raise ValueError("columnwise_m_splits needs 1x128-scaled columnwise data")
+        columnwise_m_splits = check_m_splits(columnwise_m_splits, m, "columnwise_m_splits")
         _check_component(
             "rowwise", rowwise_data, rowwise_scale_inv, (m, k),
             scale_inv_shape(m, k, is_2D_scaled, False), fp8_dtype, device,
         )
         _check_component(
             "columnwise", columnwise_data, columnwise_scale_inv, (k, m),
-            scale_inv_shape(m, k, is_2D_scaled, True), fp8_dtype, device,
+            scale_inv_shape(m, k, is_2D_scaled, True, columnwise_m_splits), fp8_dtype, device,
         )
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
@@ -119,8 +130,10 @@ class Float8BlockwiseQTensor(torch.Tensor):
         self._rowwise_scale_inv = rowwise_scale_inv
         self._columnwise_data = columnwise_data
         self._columnwise_scale_inv = columnwise_scale_inv
+        self._columnwise_m_splits = columnwise_m_splits
         self._fp8_dtype = fp8_dtype
         self._is_2D_scaled = bool(is_2D_scaled)
+        self._pow2_scales = bool(pow2_scales)
         return self
 
     # ------------------------------------------------------------------ metadata
@@ -131,6 +144,11 @@ class Float8BlockwiseQTensor(torch.Tensor):
     @property
     def is_2D_scaled(self) -> bool:
         return self._is_2D_scaled
+
+    @property
+    def pow2_scales(self) -> bool:
+        """Whether every scale is a power of two."""
+        return self._pow2_scales
 
     @property
     def block(self) -> str:
@@ -154,8 +172,13 @@ class Float8BlockwiseQTensor(torch.Tensor):
 
     @property
     def columnwise_scale_inv(self) -> Optional[torch.Tensor]:
-        """Float32 COMPACT ``[K, ceil(M/128)]`` (128x128: ``[ceil(K/128), ceil(M/128)]``), or None."""
+        """Float32 COMPACT ``[num_column_blocks, K]`` (128x128: ``[ceil(K/128), ceil(M/128)]``), or None."""
         return self._columnwise_scale_inv
+
+    @property
+    def columnwise_m_splits(self) -> MSplits:
+        """Row groups the 128x1 columnwise blocks restart at (list or device tensor), or None."""
+        return self._columnwise_m_splits
 
     @property
     def usages(self) -> tuple[str, ...]:
@@ -164,11 +187,13 @@ class Float8BlockwiseQTensor(torch.Tensor):
         return tuple(u for u, h in zip(USAGES, held) if h)
 
     def _components(self) -> dict:
+        """The storage: data, scales and the columnwise grouping."""
         return dict(
             rowwise_data=self._rowwise_data,
             rowwise_scale_inv=self._rowwise_scale_inv,
             columnwise_data=self._columnwise_data,
             columnwise_scale_inv=self._columnwise_scale_inv,
+            columnwise_m_splits=self._columnwise_m_splits,
         )
 
     def _make_like(self, *, shape=None, requires_grad=False, **components) -> "Float8BlockwiseQTensor":
@@ -179,6 +204,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
             dtype=self.dtype,
             fp8_dtype=self._fp8_dtype,
             is_2D_scaled=self._is_2D_scaled,
+            pow2_scales=self._pow2_scales,
             requires_grad=requires_grad,
             **merged,
         )
@@ -193,7 +219,8 @@ class Float8BlockwiseQTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         return (
             _rebuild,
-            (tuple(self.shape), self.dtype, self._fp8_dtype, self._is_2D_scaled, self._components()),
+            (tuple(self.shape), self.dtype, self._fp8_dtype, self._is_2D_scaled, self._pow2_scales,
+             self._components()),
         )
 
     # ------------------------------------------------------------------ dequantize
@@ -207,51 +234,65 @@ class Float8BlockwiseQTensor(torch.Tensor):
         return usage
 
     def _dequantize_no_grad(self, dtype: torch.dtype, usage: Optional[str] = None) -> torch.Tensor:
-        dq = dequantize_128x128 if self._is_2D_scaled else dequantize_1x128
         if self._check_usage(usage) == "rowwise":
+            dq = dequantize_128x128 if self._is_2D_scaled else dequantize_1x128
             out = dq(self._rowwise_data, self._rowwise_scale_inv, dtype)
+        elif self._is_2D_scaled:
+            out = dequantize_128x128(self._columnwise_data, self._columnwise_scale_inv, dtype).t()
         else:
-            out = dq(self._columnwise_data, self._columnwise_scale_inv, dtype).t()
+            out = dequantize_128x1(
+                self._columnwise_data, self._columnwise_scale_inv, dtype, self._columnwise_m_splits
+            )
         return out.reshape(self.shape)
 
     def dequantize(self, dtype: torch.dtype = torch.float32, usage: Optional[str] = None) -> torch.Tensor:
         """The logical ``[..., K]`` tensor in ``dtype`` from the ``usage`` copy.
 
         ``usage`` defaults to rowwise when held, else columnwise. Differentiable:
-        the gradient passes straight through (cast to the nominal dtype).
+        the gradient passes straight through (cast to the nominal dtype). Runs
+        ``ops.dequantize_blockwise`` (the Triton kernel on the GPU).
         """
-        if dtype not in HIGH_PRECISION_DTYPES + (torch.float64,):
-            raise TypeError(f"dequantize dtype must be a floating dtype, got {dtype}")
-        self._check_usage(usage)
-        return _Dequantize.apply(self, dtype, usage)
+        from ..ops.dequantize import dequantize_blockwise  # ops sit above this module
+
+        return dequantize_blockwise(self, dtype, usage)
 
     def scale_inv_gemm_ready(self, usage: str = "rowwise") -> torch.Tensor:
         """The ``usage`` scales converted to TransformerEngine's GEMM_READY layout (a copy)."""
         usage = self._check_usage(usage)
+        if usage == "columnwise" and self._columnwise_m_splits is not None:
+            raise ValueError("TE's GEMM_READY layout has no grouped 128x1 columnwise scales")
         s = self._rowwise_scale_inv if usage == "rowwise" else self._columnwise_scale_inv
-        return compact_to_gemm_ready(s, self._is_2D_scaled)
+        return compact_to_gemm_ready(s, self._is_2D_scaled, usage == "columnwise")
 
     # ------------------------------------------------------------------ usages
     def update_usage(
-        self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None
+        self,
+        rowwise_usage: Optional[bool] = None,
+        columnwise_usage: Optional[bool] = None,
+        m_splits: MSplits = None,
     ) -> None:
-        """Drop a copy, or (128x128 only) derive the columnwise copy by transposing.
+        """Drop a copy, or derive a missing one in place.
 
-        A 1x128 tensor cannot gain a columnwise copy here: its 128x1 scales differ
-        (use ``scaling_aware_transpose``).
+        128x128: the other copy is the transpose (scales are transpose-invariant).
+        1x128: the 128x1 columnwise copy comes from the scaling-aware transpose
+        of the rowwise copy (power-of-two scales only), its blocks restarting at
+        each group of ``m_splits``; a rowwise copy cannot be recovered.
         """
         want_row = rowwise_usage if rowwise_usage is not None else self._rowwise_data is not None
         want_col = columnwise_usage if columnwise_usage is not None else self._columnwise_data is not None
         if not (want_row or want_col):
             raise ValueError("update_usage must keep rowwise or columnwise data")
         if want_col and self._columnwise_data is None:
-            if not self._is_2D_scaled:
-                raise ValueError(
-                    "a 1x128 Float8BlockwiseQTensor cannot derive 128x1 columnwise data from rowwise "
-                    "data by transposing; requantize or use the scaling-aware transpose"
-                )
-            self._columnwise_data = self._rowwise_data.t().contiguous()
-            self._columnwise_scale_inv = self._rowwise_scale_inv.t().contiguous()
+            if self._is_2D_scaled:
+                self._columnwise_data = self._rowwise_data.t().contiguous()
+                self._columnwise_scale_inv = self._rowwise_scale_inv.t().contiguous()
+            else:
+                from ..ops.transpose import scaling_aware_transpose  # ops sit above this module
+
+                col = scaling_aware_transpose(self, m_splits)
+                self._columnwise_data = col._columnwise_data
+                self._columnwise_scale_inv = col._columnwise_scale_inv
+                self._columnwise_m_splits = col._columnwise_m_splits
         if want_row and self._rowwise_data is None:
             if not self._is_2D_scaled:
                 raise ValueError("a columnwise-only 1x128 tensor cannot recover rowwise data")
@@ -260,7 +301,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
         if not want_row:
             self._rowwise_data = self._rowwise_scale_inv = None
         if not want_col:
-            self._columnwise_data = self._columnwise_scale_inv = None
+            self._columnwise_data = self._columnwise_scale_inv = self._columnwise_m_splits = None
 
     # ------------------------------------------------------------------ shape ops
     def view(self, *shape) -> "Float8BlockwiseQTensor":
@@ -275,8 +316,9 @@ class Float8BlockwiseQTensor(torch.Tensor):
         """Split the flattened ``[M, K]`` rows by the host list ``m_splits`` (zero copy).
 
         Each piece is ``[m_i, K]``. Rowwise 1x128 data and scales split at any
-        row; a columnwise copy or 128x128 scales only at multiples of 128
-        (blocks must not straddle a boundary).
+        row. A 128x1 columnwise copy splits where its blocks end (a multiple of
+        128 rows into a group, or a group boundary), each piece keeping the
+        groups it holds; 128x128 scales split at multiples of 128.
         """
         if dim != 0:
             raise ValueError(f"Float8BlockwiseQTensor.split splits rows (dim=0), got dim={dim}")
@@ -290,14 +332,6 @@ class Float8BlockwiseQTensor(torch.Tensor):
         m = math.prod(self.shape[:-1])
         if any(s < 0 for s in m_splits) or sum(m_splits) != m:
             raise ValueError(f"m_splits must be >= 0 and sum to M={m}, got {list(m_splits)}")
-        if (self._is_2D_scaled or self._columnwise_data is not None) and any(
-            s % BLOCK_SIZE for s in m_splits[:-1]
-        ):
-            raise ValueError(
-                f"m_splits {list(m_splits)} cut through 128-row scaling blocks of the "
-                f"{'128x128' if self._is_2D_scaled else 'columnwise'} copy; "
-                "drop it with update_usage(columnwise_usage=False) first"
-            )
         return _Split.apply(self, tuple(m_splits))
 
     # ------------------------------------------------------------------ dispatch
@@ -325,9 +359,10 @@ class Float8BlockwiseQTensor(torch.Tensor):
         return func(*args, **kwargs)
 
 
-def _rebuild(shape, dtype, fp8_dtype, is_2D_scaled, components):
+def _rebuild(shape, dtype, fp8_dtype, is_2D_scaled, pow2_scales, components):
     return Float8BlockwiseQTensor(
-        shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, is_2D_scaled=is_2D_scaled, **components
+        shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, is_2D_scaled=is_2D_scaled,
+        pow2_scales=pow2_scales, **components,
     )
 
 
@@ -335,17 +370,6 @@ def _shape_arg(shape) -> tuple:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         return tuple(shape[0])
     return tuple(shape)
-
-
-class _Dequantize(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, dtype, usage):
-        ctx.nominal_dtype = t.dtype
-        return t._dequantize_no_grad(dtype, usage)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.to(ctx.nominal_dtype), None, None
 
 
 class _Reshape(torch.autograd.Function):
@@ -365,28 +389,73 @@ class _Reshape(torch.autograd.Function):
         return grad.reshape(ctx.shape), None
 
 
+def _column_pieces(t: Float8BlockwiseQTensor, m_splits) -> list[dict]:
+    """Per split piece: its columnwise data, scale rows and groups (validating block alignment)."""
+    groups = t._columnwise_m_splits if t._columnwise_m_splits is not None else [sum(m_splits)]
+    if isinstance(groups, torch.Tensor):
+        raise ValueError(
+            "cannot split a columnwise copy grouped by a device tensor (its block boundaries are "
+            "on the device); drop it with update_usage(columnwise_usage=False) first"
+        )
+    # every block boundary: (row, scale row) pairs
+    bounds, row, blk = {0: 0}, 0, 0
+    for g in groups:
+        for start in range(0, g, BLOCK_SIZE):
+            bounds[row + start] = blk
+            blk += 1
+        row += g
+        bounds[row] = blk
+    pieces, lo = [], 0
+    for size in m_splits:
+        hi = lo + size
+        if lo not in bounds or hi not in bounds:
+            raise ValueError(
+                f"m_splits {list(m_splits)} cut through 128-row blocks of the columnwise copy "
+                f"(groups {list(groups)}); drop it with update_usage(columnwise_usage=False) first"
+            )
+        inner, row = [], 0
+        for g in groups:  # the groups' rows clipped to [lo, hi)
+            a, b = max(row, lo), min(row + g, hi)
+            if a < b or (g == 0 and lo <= row < hi):
+                inner.append(b - a if a < b else 0)
+            row += g
+        pieces.append(dict(
+            columnwise_data=t._columnwise_data[:, lo:hi],
+            columnwise_scale_inv=t._columnwise_scale_inv[bounds[lo]:bounds[hi]],
+            columnwise_m_splits=inner if t._columnwise_m_splits is not None and size else None,
+        ))
+        lo = hi
+    return pieces
+
+
 class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, m_splits):
         k = t.shape[-1]
         ctx.meta = (t.shape, t.dtype, t.device)
         ctx.m_splits = m_splits
-        pieces = {}
+        pieces = [dict.fromkeys(t._components()) for _ in m_splits]
         if t._rowwise_data is not None:
-            pieces["rowwise_data"] = t._rowwise_data.split(m_splits)
-            blocks = [-(-s // BLOCK_SIZE) for s in m_splits] if t._is_2D_scaled else m_splits
-            pieces["rowwise_scale_inv"] = t._rowwise_scale_inv.split(blocks)
+            blocks = m_splits
+            if t._is_2D_scaled:
+                if any(s % BLOCK_SIZE for s in m_splits[:-1]):
+                    raise ValueError(f"m_splits {list(m_splits)} cut through 128x128 blocks")
+                blocks = [-(-s // BLOCK_SIZE) for s in m_splits]
+            for p, d, s in zip(pieces, t._rowwise_data.split(m_splits), t._rowwise_scale_inv.split(blocks)):
+                p.update(rowwise_data=d, rowwise_scale_inv=s)
         if t._columnwise_data is not None:
-            pieces["columnwise_data"] = t._columnwise_data.split(m_splits, dim=1)
-            blocks = [-(-s // BLOCK_SIZE) for s in m_splits]
-            pieces["columnwise_scale_inv"] = t._columnwise_scale_inv.split(blocks, dim=1)
-        return tuple(
-            t._make_like(
-                shape=(s, k),
-                **{**dict.fromkeys(t._components()), **{name: p[i] for name, p in pieces.items()}},
-            )
-            for i, s in enumerate(m_splits)
-        )
+            if t._is_2D_scaled:
+                if any(s % BLOCK_SIZE for s in m_splits[:-1]):
+                    raise ValueError(f"m_splits {list(m_splits)} cut through 128x128 blocks")
+                blocks = [-(-s // BLOCK_SIZE) for s in m_splits]
+                cols = zip(t._columnwise_data.split(m_splits, dim=1),
+                           t._columnwise_scale_inv.split(blocks, dim=1))
+                for p, (d, s) in zip(pieces, cols):
+                    p.update(columnwise_data=d, columnwise_scale_inv=s)
+            else:
+                for p, c in zip(pieces, _column_pieces(t, m_splits)):
+                    p.update(c)
+        return tuple(t._make_like(shape=(s, k), **p) for s, p in zip(m_splits, pieces))
 
     @staticmethod
     def backward(ctx, *grads):

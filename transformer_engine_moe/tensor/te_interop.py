@@ -15,7 +15,7 @@ import math
 import torch
 
 from .float8_blockwise_tensor import Float8BlockwiseQTensor
-from .layout import gemm_ready_to_compact
+from ..layout import gemm_ready_to_compact
 
 
 def _te():
@@ -36,10 +36,11 @@ def _te_fp8_dtype(tex, fp8_dtype: torch.dtype):
     return tex.DType.kFloat8E4M3 if fp8_dtype == torch.float8_e4m3fn else tex.DType.kFloat8E5M2
 
 
-def to_te(t: Float8BlockwiseQTensor, *, force_pow_2_scales: bool = True):
+def to_te(t: Float8BlockwiseQTensor):
     """A TE ``Float8BlockwiseQTensor`` (GEMM_READY scales) holding ``t``'s FP8 data.
 
-    Data is shared (viewed as uint8); scales are transposed/padded copies.
+    Data is shared (viewed as uint8); scales are transposed/padded copies. Grouped
+    128x1 columnwise copies have no TE equivalent (``ValueError``).
     """
     tex, Float8BlockQuantizer, TETensor = _te()
     fp8 = _te_fp8_dtype(tex, t.fp8_dtype)
@@ -48,7 +49,7 @@ def to_te(t: Float8BlockwiseQTensor, *, force_pow_2_scales: bool = True):
         fp8,
         rowwise=t.rowwise_data is not None,
         columnwise=t.columnwise_data is not None,
-        force_pow_2_scales=force_pow_2_scales,
+        force_pow_2_scales=t.pow2_scales,
         block_scaling_dim=2 if t.is_2D_scaled else 1,
     )
     row = col = row_s = col_s = None
@@ -89,19 +90,21 @@ def from_te(te_tensor) -> Float8BlockwiseQTensor:
     if te_tensor._rowwise_data is not None:
         s = te_tensor._rowwise_scale_inv
         if not compact:
-            s = gemm_ready_to_compact(s, is_2d, -(-k // 128) if is_2d else m)
+            s = gemm_ready_to_compact(s, is_2d, False, -(-k // 128) if is_2d else m)
         out.update(rowwise_data=te_tensor._rowwise_data.view(fp8_dtype).reshape(m, k),
                    rowwise_scale_inv=s)
     if te_tensor._columnwise_data is not None:
         d, s = te_tensor._columnwise_data.view(fp8_dtype), te_tensor._columnwise_scale_inv
-        if compact:  # TE's COMPACT columnwise is untransposed: data [M, K], scales [ceil(M/128), K]
-            d, s = d.reshape(m, k).t().contiguous(), s.t().contiguous()
+        if compact:  # TE's COMPACT columnwise data is untransposed [M, K]; scales as ours
+            d = d.reshape(m, k).t().contiguous()
         else:
             d = d.reshape(k, m)
-            s = gemm_ready_to_compact(s, is_2d, -(-m // 128) if is_2d else k)
+            s = gemm_ready_to_compact(s, is_2d, True, -(-m // 128) if is_2d else k)
         out.update(columnwise_data=d, columnwise_scale_inv=s)
+    quantizer = getattr(te_tensor, "_quantizer", None)
     return Float8BlockwiseQTensor(
         shape=shape, dtype=te_tensor.dtype, fp8_dtype=fp8_dtype, is_2D_scaled=is_2d,
+        pow2_scales=bool(getattr(quantizer, "force_pow_2_scales", False)),
         requires_grad=te_tensor.requires_grad, **out,
     )
 

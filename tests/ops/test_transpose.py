@@ -1,0 +1,221 @@
+"""scaling_aware_transpose: the rule (against a float formula using torch's cast), Triton kernel vs
+reference (bitwise), groups, special values, accuracy against double quantization, bad input."""
+
+import pytest
+import torch
+
+from conftest import KERNEL_DEVICE, requires_cuda
+from transformer_engine_moe import Float8BlockwiseQTensor, quantize_blockwise, scaling_aware_transpose
+from transformer_engine_moe.kernels import transpose as kt
+from transformer_engine_moe.layout import column_block_of_row
+from transformer_engine_moe.reference import transpose as ref
+from transformer_engine_moe.reference.quantize import cast_to_fp8, dequantize_128x1, dequantize_1x128
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+FP8_IDS = ["e4m3", "e5m2"]
+GROUPS = [0, 1, 127, 128, 129, 1000]
+
+
+def activations(m, k, device=KERNEL_DEVICE, dtype=torch.bfloat16):
+    """Realistic dynamic range: per-token magnitudes over 8 decades, log-normal channels,
+    plus exact zeros, a NaN and values that quantize to +-448 and to FP8 subnormals."""
+    x = torch.randn(m, k) * torch.exp(torch.randn(k)) * 10 ** (8 * torch.rand(m, 1) - 4)
+    if m > 8:
+        x[3] = 0.0
+        x[4, :4] = torch.tensor([448.0, -448.0, 1e-3, -1e-30])
+        x[5, 7] = float("nan")
+    return x.to(dtype).to(device)
+
+
+def expected_columnwise(t: Float8BlockwiseQTensor, m_splits):
+    """The rule as a float formula: fp8_rne(dequantize(rowwise) / s_col) * s_col, where s_col is the
+    largest row scale_inv in each (column block, 128-column block), and fp8() the quantizer's cast
+    (round-to-nearest-even; NaN -> 0x7F, E5M2 inf -> max; nothing finite overflows: s_col >= s_row)."""
+    m, k = t.rowwise_data.shape
+    rows = dequantize_1x128(t.rowwise_data, t.rowwise_scale_inv, torch.float32).cpu()
+    s_row = t.rowwise_scale_inv.cpu().repeat_interleave(128, dim=1)[:, :k]
+    block = column_block_of_row(m, m_splits, "cpu")
+    s_col = torch.empty_like(s_row)
+    for b in block.unique():
+        sel = block == b
+        s_col[sel] = s_row[sel].amax(dim=0)
+    return cast_to_fp8(rows / s_col, t.fp8_dtype).float() * s_col, s_col
+
+
+def _same(a, b):
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("splits", ["none", "list", "tensor"])
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_rule_holds_for_every_element(fp8, splits, backend):
+    x = activations(sum(GROUPS), 384)
+    m_splits = {"none": None, "list": GROUPS, "tensor": torch.tensor(GROUPS, device=x.device)}[splits]
+    t = scaling_aware_transpose(quantize_blockwise(x, fp8_dtype=fp8), m_splits, backend=backend)
+    want, s_col = expected_columnwise(t, m_splits)
+    got = t.dequantize(usage="columnwise")
+    assert got.shape == x.shape and t.columnwise_data.shape == (384, x.shape[0])
+    assert _same(got.cpu(), want)
+    # exactly the rowwise value wherever nothing underflows
+    rows = t.dequantize().cpu()
+    min_normal = 2.0**-6 if fp8 == torch.float8_e4m3fn else 2.0**-14
+    safe = (rows.abs() / s_col >= min_normal) | (rows == 0)
+    assert _same(got.cpu()[safe], rows[safe])
+    assert (~safe).any()  # the data does exercise underflow
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("splits", ["none", "list", "tensor"])
+def test_kernel_matches_reference_bitwise(fp8, splits):
+    x = activations(sum(GROUPS), 300)  # ragged K
+    m_splits = {"none": None, "list": GROUPS, "tensor": torch.tensor(GROUPS, device=x.device)}[splits]
+    q = quantize_blockwise(x, fp8_dtype=fp8)
+    a = scaling_aware_transpose(q, m_splits, backend="triton")
+    b = scaling_aware_transpose(q, m_splits, backend="reference")
+    assert torch.equal(a.columnwise_scale_inv, b.columnwise_scale_inv)
+    assert torch.equal(a.columnwise_data.view(torch.uint8), b.columnwise_data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+def test_every_code_at_every_shift(fp8):
+    """All 256 codes in rows whose scales sit 0..11 binades below the block's largest: normals
+    that stay normal, normals and subnormals that round to subnormals (ties to even), zeros."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(12, 1)  # [12, 256]
+    data = torch.cat([codes, torch.zeros(1, 256, dtype=torch.uint8)]).view(fp8)
+    scale = 2.0 ** -torch.arange(13.0)[:, None].repeat(1, 2)  # row r: 2**-r, last row largest shift
+    t = Float8BlockwiseQTensor(shape=(13, 256), dtype=torch.bfloat16, fp8_dtype=fp8, pow2_scales=True,
+                               rowwise_data=data.to(KERNEL_DEVICE), rowwise_scale_inv=scale.to(KERNEL_DEVICE))
+    for backend in ("triton", "reference"):
+        got = scaling_aware_transpose(t, backend=backend)
+        want, _ = expected_columnwise(got, None)
+        assert _same(got.dequantize(usage="columnwise").cpu(), want), backend
+
+
+def test_unused_blocks_of_device_groups_hold_scale_one():
+    x = activations(300, 256)
+    splits = torch.tensor([100, 200], device=x.device)
+    t = scaling_aware_transpose(quantize_blockwise(x), splits)
+    assert t.columnwise_scale_inv.shape == (300 // 128 + 2, 256)
+    assert (t.columnwise_scale_inv[3:] == 1.0).all()  # 1 + 2 blocks used of 4
+
+
+def test_split_by_groups_matches_per_group_transpose():
+    x = activations(sum(GROUPS), 256)
+    q = quantize_blockwise(x)
+    t = scaling_aware_transpose(q, GROUPS)
+    for piece, part in zip(t.split(GROUPS), q.split(GROUPS)):
+        if part.shape[0] == 0:
+            continue
+        alone = scaling_aware_transpose(part)
+        assert torch.equal(piece.columnwise_scale_inv, alone.columnwise_scale_inv)
+        assert torch.equal(piece.columnwise_data.view(torch.uint8), alone.columnwise_data.view(torch.uint8))
+    with pytest.raises(ValueError, match="cut through 128-row blocks"):
+        t.split([2, sum(GROUPS) - 2])  # row 2 is 1 row into the 127-row group
+
+
+def test_double_quantization_accuracy_direction():
+    """Error against the BF16 source: dequantize+requantize with power-of-two scales <= the
+    scaling-aware transpose < dequantize+requantize with FP32 scales (docs/transpose.md)."""
+    x = activations(4096, 1024, "cpu")
+    x[5, 7] = 0.0
+    m_splits = [1000, 1096, 2000]
+    q = quantize_blockwise(x)
+    row = q.dequantize()
+    tr = scaling_aware_transpose(q, m_splits).dequantize(usage="columnwise")
+    dq = {}
+    for pow2 in (True, False):
+        data_t, scale_t = ref.double_quantize_columnwise(q.rowwise_data, q.rowwise_scale_inv, m_splits, pow2)
+        dq[pow2] = dequantize_128x1(data_t, scale_t, torch.float32, m_splits)
+    # the grids nest: a finer power-of-two grid is at least as close to every rowwise value
+    assert ((dq[True] - row).abs() <= (tr - row).abs()).all()
+    err = {name: ((y - x.float()).norm() / x.float().norm()).item()
+           for name, y in (("rowwise", row), ("transpose", tr), ("dq_pow2", dq[True]), ("dq_fp32", dq[False]))}
+    assert err["dq_pow2"] <= err["transpose"] < err["dq_fp32"]
+    assert err["transpose"] < err["rowwise"] * 1.01  # underflow costs little on realistic data
+
+
+def test_non_power_of_two_scales_are_rejected():
+    x = activations(256, 256)
+    with pytest.raises(ValueError, match="not powers of two"):
+        scaling_aware_transpose(quantize_blockwise(x, pow2_scales=False))
+    q = quantize_blockwise(x, pow2_scales=False)
+    lying = Float8BlockwiseQTensor(shape=q.shape, dtype=q.dtype, fp8_dtype=q.fp8_dtype, pow2_scales=True,
+                                   rowwise_data=q.rowwise_data, rowwise_scale_inv=q.rowwise_scale_inv)
+    with pytest.raises(ValueError, match="not powers of two"):
+        scaling_aware_transpose(lying, backend="reference")
+    poisoned = scaling_aware_transpose(lying, backend="triton")  # no host sync: NaN scales instead
+    assert poisoned.columnwise_scale_inv.isnan().any()
+
+
+@pytest.mark.parametrize(
+    "make,kwargs,exc,match",
+    [
+        (lambda: torch.randn(4, 128), {}, TypeError, "must be a Float8BlockwiseQTensor"),
+        (lambda: quantize_blockwise(torch.randn(256, 256), "128x128"), {}, ValueError, "128x128-scaled"),
+        (lambda: quantize_blockwise(torch.randn(4, 128), rowwise=False, columnwise=True), {}, ValueError,
+         "no rowwise data"),
+        (lambda: quantize_blockwise(torch.randn(4, 128)), {"m_splits": [1, 2]}, ValueError, "sum to M=4"),
+        (lambda: quantize_blockwise(torch.randn(4, 128)), {"m_splits": torch.tensor([4.0])}, TypeError,
+         "int32/int64"),
+        (lambda: quantize_blockwise(torch.randn(4, 128)), {"backend": "fast"}, ValueError, "backend"),
+    ],
+    ids=["plain", "2d", "columnwise-only", "splits-sum", "splits-dtype", "backend"],
+)
+def test_bad_input(make, kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        scaling_aware_transpose(make(), **kwargs)
+
+
+def test_device_splits_that_do_not_sum_to_m_fail_loudly():
+    with pytest.raises(RuntimeError, match="m_splits must sum to M"):
+        scaling_aware_transpose(quantize_blockwise(torch.randn(4, 128)), torch.tensor([1, 2]))
+
+
+def test_gradient_passes_through():
+    x = torch.randn(256, 128, requires_grad=True)
+    t = scaling_aware_transpose(quantize_blockwise(x))
+    (t.dequantize(usage="columnwise") * 2).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 2.0))
+
+
+# ---------------------------------------------------------------------------- GPU only
+@requires_cuda
+@pytest.mark.parametrize("groups", [8, 32])
+def test_gpu_bitwise_at_full_size(groups):
+    x = activations(65536, 7168, "cuda")
+    sizes = torch.distributions.Dirichlet(torch.ones(groups)).sample() * 65536
+    sizes = sizes.long()
+    sizes[-1] = 65536 - sizes[:-1].sum()
+    q = quantize_blockwise(x)
+    for m_splits in (sizes.tolist(), sizes.cuda()):
+        a = scaling_aware_transpose(q, m_splits, backend="triton")
+        b = scaling_aware_transpose(q, m_splits, backend="reference")
+        assert torch.equal(a.columnwise_scale_inv, b.columnwise_scale_inv)
+        assert torch.equal(a.columnwise_data.view(torch.uint8), b.columnwise_data.view(torch.uint8))
+
+
+@requires_cuda
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+def test_gpu_software_reencoding_equals_hardware(fp8):
+    """Every code at shifts 0..40 (and specials): integer path == decode * 2**-d + hardware cast."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(4096, 1)
+    scale = 2.0 ** -(torch.arange(4096, dtype=torch.float32) % 41)[:, None].repeat(1, 2)  # d = r % 41
+    q, s = codes.view(fp8).cuda(), scale.cuda()
+    hw = kt.scaling_aware_transpose(q, s, software_cast=False)
+    sw = kt.scaling_aware_transpose(q, s, software_cast=True)
+    assert torch.equal(hw[1], sw[1]) and torch.equal(hw[0].view(torch.uint8), sw[0].view(torch.uint8))
+
+
+@requires_cuda
+def test_gpu_no_host_sync():
+    q = quantize_blockwise(activations(8192, 1024, "cuda"))
+    splits = torch.tensor([4000, 192, 4000], device="cuda")
+    scaling_aware_transpose(q, splits)  # compile first
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        scaling_aware_transpose(q, splits)
+        scaling_aware_transpose(q, [4000, 192, 4000])
+        q.dequantize(torch.bfloat16)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -1,0 +1,110 @@
+"""COMPACT <-> TransformerEngine GEMM_READY scale layouts, groups, and the TE adapters."""
+
+import pytest
+import torch
+
+from transformer_engine_moe import quantize_blockwise
+from transformer_engine_moe.layout import (
+    check_m_splits,
+    column_block_of_row,
+    compact_to_gemm_ready,
+    gemm_ready_to_compact,
+    num_column_blocks,
+)
+
+
+@pytest.mark.parametrize(
+    "block,usage,expected",
+    [
+        # TE's Float8BlockQuantizer.get_scale_shape for a [M=300, K=520] tensor
+        ("1x128", "rowwise", (5, 300)),  # (ceil(K/128), pad4(M))
+        ("1x128", "columnwise", (3, 520)),  # (ceil(M/128), pad4(K))
+        ("128x128", "rowwise", (3, 8)),  # (ceil(M/128), pad4(ceil(K/128)))
+        ("128x128", "columnwise", (5, 4)),  # (ceil(K/128), pad4(ceil(M/128)))
+    ],
+)
+def test_gemm_ready_shapes_match_te_and_round_trip(block, usage, expected):
+    q = quantize_blockwise(torch.randn(300, 520), block, columnwise=True)
+    compact = getattr(q, f"{usage}_scale_inv")
+    g = q.scale_inv_gemm_ready(usage)
+    assert tuple(g.shape) == expected
+    is_2d, col = block == "128x128", usage == "columnwise"
+    transposed = not is_2d and not col
+    n = compact.shape[0] if transposed else compact.shape[1]
+    assert torch.equal(gemm_ready_to_compact(g, is_2d, col, n), compact)
+    unpadded = compact.t() if transposed else compact
+    assert torch.equal(g[:, : unpadded.shape[1]], unpadded)
+    assert (g[:, unpadded.shape[1]:] == 0).all()
+
+
+def test_gemm_ready_padding_of_rows():
+    s = torch.rand(5, 2)  # 1x128 rowwise scales of M=5 rows
+    g = compact_to_gemm_ready(s, False, False)
+    assert g.shape == (2, 8)
+    with pytest.raises(ValueError, match="at least 9 columns"):
+        gemm_ready_to_compact(g, False, False, 9)
+
+
+def test_grouped_scales_have_no_gemm_ready_form():
+    q = quantize_blockwise(torch.randn(300, 256), columnwise=True, m_splits=[100, 200])
+    with pytest.raises(ValueError, match="no grouped 128x1"):
+        q.scale_inv_gemm_ready("columnwise")
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_column_blocks_of_groups(as_tensor):
+    sizes = [0, 1, 127, 128, 129, 0, 300]
+    splits = torch.tensor(sizes) if as_tensor else sizes
+    m = sum(sizes)
+    exact = 0 + 1 + 1 + 1 + 2 + 0 + 3
+    assert num_column_blocks(m, splits) == (m // 128 + len(sizes) if as_tensor else exact)
+    block = column_block_of_row(m, splits, "cpu")
+    expected = torch.cat([torch.full((1,), 0), torch.full((127,), 1), torch.full((128,), 2),
+                          torch.full((128,), 3), torch.full((1,), 4), torch.full((128,), 5),
+                          torch.full((128,), 6), torch.full((44,), 7)])
+    assert torch.equal(block, expected)
+    assert num_column_blocks(m, None) == -(-m // 128)
+
+
+@pytest.mark.parametrize(
+    "splits,exc,match",
+    [
+        ([100, 100], ValueError, "sum to M=300"),
+        ([], ValueError, "non-empty"),
+        ([-1, 301], ValueError, ">= 0"),
+        ("300", TypeError, "list of ints or an integer tensor"),
+        (torch.tensor([[300]]), TypeError, "1-D int32/int64"),
+        (torch.tensor([300.0]), TypeError, "1-D int32/int64"),
+    ],
+    ids=["sum", "empty", "negative", "str", "2d", "float"],
+)
+def test_bad_m_splits(splits, exc, match):
+    with pytest.raises(exc, match=match):
+        check_m_splits(splits, 300)
+
+
+def test_te_adapters_round_trip():
+    pytest.importorskip("transformer_engine.pytorch", reason="TransformerEngine not installed")
+    from transformer_engine_moe import from_te, to_te
+
+    for block in ("1x128", "128x128"):
+        q = quantize_blockwise(torch.randn(300, 512, dtype=torch.bfloat16, device="cuda"), block,
+                               columnwise=True)
+        te_t = to_te(q)
+        assert torch.equal(te_t.dequantize(dtype=torch.float32), q.dequantize())
+        back = from_te(te_t)
+        for u in q.usages:
+            assert torch.equal(getattr(back, f"{u}_scale_inv"), getattr(q, f"{u}_scale_inv"))
+            assert torch.equal(back.dequantize(usage=u), q.dequantize(usage=u))
+
+
+def test_te_adapters_without_te_raise_import_error():
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except ImportError:
+        from transformer_engine_moe import to_te
+
+        with pytest.raises(ImportError, match="need TransformerEngine"):
+            to_te(quantize_blockwise(torch.randn(2, 128)))
+    else:
+        pytest.skip("TransformerEngine is installed")

@@ -1,0 +1,49 @@
+"""Where each 128x1 column block of a grouped tensor lives, computed inside a kernel.
+
+Rows ``[0, M)`` are split into G groups (experts) whose sizes sit in a device
+tensor; each group is covered by ``ceil(m_g/128)`` blocks of 128 rows, the last
+one partial. Block ``b`` (the columnwise scale row) is found from the sizes
+alone, so launchers need no host copy of them. See ``layout.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def column_block_rows(b, sizes_ptr, num_groups, M, GROUPED: tl.constexpr, MAX_GROUPS: tl.constexpr):
+    """First row and row count of column block ``b``; the count is 0 for an unused block."""
+    if GROUPED:
+        g = tl.arange(0, MAX_GROUPS)
+        sizes = tl.load(sizes_ptr + g, mask=g < num_groups, other=0)
+        blocks = (sizes + 127) // 128
+        gi = tl.sum((tl.cumsum(blocks, axis=0) <= b).to(tl.int32), axis=0)  # b's group
+        before = g < gi
+        first_row = tl.sum(tl.where(before, sizes, 0), axis=0)
+        first_block = tl.sum(tl.where(before, blocks, 0), axis=0)
+        size = tl.sum(tl.where(g == gi, sizes, 0), axis=0)
+        start = first_row + (b - first_block) * 128
+        count = tl.maximum(tl.minimum(first_row + size - start, 128), 0)
+    else:
+        start = b * 128
+        count = tl.minimum(M - start, 128)
+    return start, count
+
+
+def group_sizes_arg(m_splits, device):
+    """(sizes tensor on ``device`` (int32), G, GROUPED, MAX_GROUPS) for ``column_block_rows``."""
+    if m_splits is None:
+        return torch.empty(1, dtype=torch.int32, device=device), 1, False, 1
+    if isinstance(m_splits, torch.Tensor):
+        sizes = m_splits.to(device=device, dtype=torch.int32)
+    else:
+        host = torch.tensor(list(m_splits), dtype=torch.int32)
+        if device.type == "cuda":  # pinned + non_blocking: no host sync
+            host = host.pin_memory()
+        sizes = host.to(device, non_blocking=True)
+    g = sizes.numel()
+    return sizes, g, True, triton.next_power_of_2(g)
+

@@ -1,0 +1,120 @@
+"""Scale layouts: this package's COMPACT layout, TransformerEngine's GEMM_READY, and groups.
+
+COMPACT (what every op here produces and consumes), for a logical ``[M, K]``:
+
+====================  ==============  ===============================
+usage, block          data            scale_inv (float32)
+====================  ==============  ===============================
+rowwise, 1x128        ``[M, K]``      ``[M, ceil(K/128)]``
+columnwise, 128x1     ``[K, M]``      ``[num_column_blocks, K]``
+rowwise, 128x128      ``[M, K]``      ``[ceil(M/128), ceil(K/128)]``
+columnwise, 128x128   ``[K, M]``      ``[ceil(K/128), ceil(M/128)]``
+====================  ==============  ===============================
+
+Columnwise data is the transpose: the ``X^T [K, m]`` operand of a wgrad GEMM,
+tokens contiguous. Its 128x1 blocks run along M and, when the rows are split
+into groups (experts, ``m_splits``), never cross a group boundary: each group
+starts a new block and a group whose size is not a multiple of 128 ends in a
+partial block. The scales are block-major, ``[num_column_blocks, K]``, so a
+GEMM reading one 128-token step of a group loads one contiguous scale row.
+
+``num_column_blocks`` is ``ceil(M/128)`` without groups, ``sum(ceil(m_i/128))``
+for a host list of group sizes, and the worst case ``M // 128 + G`` for a
+device tensor of G group sizes (no host sync to learn the exact count; the
+unused trailing rows hold scale 1).
+
+GEMM_READY (TransformerEngine's default for cuBLAS): same data; rowwise 1x128
+scales transposed; the last scale dimension padded to a multiple of 4
+(1x128 rowwise ``[ceil(K/128), pad4(M)]``, 128x1 columnwise ``[ceil(M/128), pad4(K)]``,
+128x128 ``[blocks, pad4(blocks)]``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from .recipe import BLOCK_SIZE
+
+GEMM_READY_ALIGNMENT = 4
+
+MSplits = Optional[Union[Sequence[int], torch.Tensor]]
+
+
+def _pad_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _transposed_in_gemm_ready(is_2D_scaled: bool, columnwise: bool) -> bool:
+    return not is_2D_scaled and not columnwise
+
+
+def compact_to_gemm_ready(scale_inv: torch.Tensor, is_2D_scaled: bool, columnwise: bool) -> torch.Tensor:
+    """COMPACT scale_inv -> TE GEMM_READY (a new tensor, zero padding)."""
+    s = scale_inv.t() if _transposed_in_gemm_ready(is_2D_scaled, columnwise) else scale_inv
+    out = s.new_zeros(s.shape[0], _pad_to(s.shape[1], GEMM_READY_ALIGNMENT))
+    out[:, : s.shape[1]] = s
+    return out
+
+
+def gemm_ready_to_compact(scale_inv: torch.Tensor, is_2D_scaled: bool, columnwise: bool, n: int) -> torch.Tensor:
+    """TE GEMM_READY scale_inv -> COMPACT.
+
+    ``n`` is the unpadded length of the padded (last) dimension: M for 1x128
+    rowwise scales, K for 128x1 columnwise scales, the number of 128-blocks
+    along the inner dimension for 128x128 scales.
+    """
+    if scale_inv.dim() != 2 or scale_inv.shape[1] < n:
+        raise ValueError(
+            f"GEMM_READY scale_inv must be 2-D with at least {n} columns, "
+            f"got shape {tuple(scale_inv.shape)}"
+        )
+    s = scale_inv[:, :n]
+    return s.t().contiguous() if _transposed_in_gemm_ready(is_2D_scaled, columnwise) else s.contiguous()
+
+
+def check_m_splits(m_splits: MSplits, m: int, name: str = "m_splits") -> MSplits:
+    """Validate group sizes for M rows: None, a host sequence of ints summing to M, or a 1-D
+    integer tensor (its sum is not checked: that would need a host sync). Returns a list or tensor."""
+    if m_splits is None:
+        return None
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dim() != 1 or m_splits.dtype not in (torch.int32, torch.int64) or m_splits.numel() == 0:
+            raise TypeError(
+                f"{name} as a tensor must be a non-empty 1-D int32/int64 tensor, "
+                f"got {m_splits.dtype} of shape {list(m_splits.shape)}"
+            )
+        return m_splits
+    if not isinstance(m_splits, (list, tuple)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) for s in m_splits
+    ):
+        raise TypeError(f"{name} must be a list of ints or an integer tensor, got {type(m_splits).__name__}")
+    if len(m_splits) == 0 or any(s < 0 for s in m_splits) or sum(m_splits) != m:
+        raise ValueError(f"{name} must be non-empty, >= 0 and sum to M={m}, got {list(m_splits)}")
+    return list(m_splits)
+
+
+def num_column_blocks(m: int, m_splits: MSplits) -> int:
+    """Rows of the 128x1 columnwise scale_inv of M rows split into groups ``m_splits``."""
+    if m_splits is None:
+        return -(-m // BLOCK_SIZE)
+    if isinstance(m_splits, torch.Tensor):
+        return m // BLOCK_SIZE + m_splits.numel()
+    return sum(-(-s // BLOCK_SIZE) for s in m_splits)
+
+
+def column_block_of_row(m: int, m_splits: MSplits, device) -> torch.Tensor:
+    """int64 ``[M]``: the columnwise scale row (128x1 block) each data row belongs to.
+
+    Computed on the device without a host sync.
+    """
+    rows = torch.arange(m, device=device)
+    if m_splits is None:
+        return rows // BLOCK_SIZE
+    sizes = torch.as_tensor(m_splits, device=device).long()
+    starts = torch.cumsum(sizes, 0) - sizes
+    blocks = (sizes + BLOCK_SIZE - 1) // BLOCK_SIZE
+    block_starts = torch.cumsum(blocks, 0) - blocks
+    group = torch.repeat_interleave(torch.arange(sizes.numel(), device=device), sizes, output_size=m)
+    return block_starts[group] + (rows - starts[group]) // BLOCK_SIZE

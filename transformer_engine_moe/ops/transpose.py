@@ -1,0 +1,77 @@
+"""``scaling_aware_transpose``: add a 128x1 columnwise copy to a rowwise 1x128 Float8BlockwiseQTensor.
+
+The wgrad GEMMs need X and dY quantized along tokens (128x1 blocks per
+expert). This makes that copy from the rowwise FP8 by exponent shifts: one read
+and one write of FP8, no BF16 intermediate, no second rounding where nothing
+underflows (rule in ``reference/transpose.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layout import MSplits, check_m_splits
+from ..reference import transpose as ref
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from .backend import use_triton
+
+
+def _check_input(t) -> None:
+    if not isinstance(t, Float8BlockwiseQTensor):
+        raise TypeError(f"t must be a Float8BlockwiseQTensor, got {type(t).__name__}")
+    if t.is_2D_scaled:
+        raise ValueError("t is 128x128-scaled: its columnwise copy is a plain transpose (update_usage)")
+    if t.rowwise_data is None:
+        raise ValueError("t has no rowwise data to transpose")
+    if not t.pow2_scales:
+        raise ValueError(
+            "t's scales are not powers of two (quantized with pow2_scales=False); the scaling-aware "
+            "transpose shifts exponents and would need a real requantization"
+        )
+
+
+def scaling_aware_transpose(
+    t: Float8BlockwiseQTensor, m_splits: MSplits = None, *, backend: str = "auto"
+) -> Float8BlockwiseQTensor:
+    """A Float8BlockwiseQTensor sharing ``t``'s rowwise copy, with a 128x1 columnwise copy made by
+    exponent shifts.
+
+    Args:
+        t: rowwise 1x128 FP8 with power-of-two scales (COMPACT).
+        m_splits: row counts of the groups (experts) whose blocks must not mix: a
+            host list, or a device int tensor (no host sync; the scale buffer then
+            has the worst-case ``M // 128 + G`` rows, unused ones holding 1). None:
+            one group.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+
+    Returns the same logical tensor with columnwise data ``[K, M]`` and scale_inv
+    ``[num_column_blocks, K]``. The kernel never syncs with the host; a tensor
+    mislabelled as power-of-two gets NaN scales in the blocks it spoils (the
+    reference raises ``ValueError``).
+    """
+    _check_input(t)
+    m, k = t.rowwise_data.shape
+    m_splits = check_m_splits(m_splits, m)
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.device != t.device:
+            raise ValueError(f"m_splits is on {m_splits.device}, t on {t.device}")
+        torch._assert_async(m_splits.sum() == m, "m_splits must sum to M")
+    return _Transpose.apply(t, m_splits, use_triton(backend, t.rowwise_data, "scaling_aware_transpose"))
+
+
+class _Transpose(torch.autograd.Function):
+    """Adds a copy of the same values: the gradient passes straight through."""
+
+    @staticmethod
+    def forward(ctx, t, m_splits, kernel: bool):
+        if kernel:
+            from ..kernels import transpose as kt
+
+            data_t, scale_t = kt.scaling_aware_transpose(t.rowwise_data, t.rowwise_scale_inv, m_splits)
+        else:
+            data_t, scale_t = ref.scaling_aware_transpose(t.rowwise_data, t.rowwise_scale_inv, m_splits)
+        return t._make_like(columnwise_data=data_t, columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
