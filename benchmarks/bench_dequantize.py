@@ -50,9 +50,7 @@ def run_experiment(m: int, k: int, copy_tbps: float) -> ExperimentResult:
 
 
 def main():
-    env = utils.environment()
-    copy_tbps = utils.copy_bandwidth_tbps()
-    ceilings = {"copy_bandwidth_tbps (1 GiB, read+write)": copy_tbps}
+    _, env, ceilings, copy_tbps = utils.start(__doc__.splitlines()[0])
     results = [run_experiment(m, k, copy_tbps) for m, k in SHAPES]
     path = utils.write_results(
         "bench_dequantize", "Blockwise FP8 dequantization (E4M3 1x128 -> bf16)", env, ceilings, results,

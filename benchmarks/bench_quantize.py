@@ -12,7 +12,6 @@ Run on a GPU: ``python benchmarks/bench_quantize.py [--sweep]``.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 from dataclasses import dataclass
 
@@ -124,13 +123,7 @@ def sweep(copy_tbps: float) -> list[dict]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also sweep the rowwise launch shapes")
-    args = parser.parse_args()
-    env = utils.environment()
-    copy_tbps = utils.copy_bandwidth_tbps()
-    ceilings = {"copy_bandwidth_tbps (1 GiB, read+write)": copy_tbps}
-    print(env, ceilings)
+    args, env, ceilings, copy_tbps = utils.start(__doc__.splitlines()[0], "also sweep the rowwise launch shapes")
     if args.sweep:
         rows = sweep(copy_tbps)
         best = {}

@@ -7,6 +7,7 @@ over time against ceilings measured on the same device, and writes
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -32,6 +33,22 @@ def copy_bandwidth_tbps(nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src))
     return 2 * nbytes / ms / 1e9
+
+
+def start(description: str, sweep_help: str | None = None):
+    """Parse the command line and measure the ceilings: ``(args, env, ceilings, copy_tbps)``.
+
+    ``sweep_help``: offer ``--sweep`` (launch-shape sweep) with this help text.
+    """
+    parser = argparse.ArgumentParser(description=description)
+    if sweep_help:
+        parser.add_argument("--sweep", action="store_true", help=sweep_help)
+    args = parser.parse_args()
+    env = environment()
+    copy_tbps = copy_bandwidth_tbps()
+    ceilings = {"copy_bandwidth_tbps (1 GiB, read+write)": copy_tbps}
+    print(env, ceilings)
+    return args, env, ceilings, copy_tbps
 
 
 def environment() -> dict:
