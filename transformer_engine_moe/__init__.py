@@ -3,7 +3,16 @@
 Public names are re-exported here; see README.md and docs/ for the design.
 """
 
-from .ops import dequantize_blockwise, quantize_blockwise, scaling_aware_transpose
+from .ops import (
+    dequantize_blockwise,
+    moe_permute,
+    moe_permute_and_pad_with_probs,
+    moe_permute_with_probs,
+    moe_unpermute,
+    quantize_blockwise,
+    scaling_aware_transpose,
+    topk_to_routing_map,
+)
 from .quantizer import Float8BlockQuantizer
 from .recipe import FP8FlowRecipe, Format, Role
 from .tensor import Float8BlockwiseQTensor, from_te, to_te
@@ -18,7 +27,12 @@ __all__ = [
     "Role",
     "dequantize_blockwise",
     "from_te",
+    "moe_permute",
+    "moe_permute_and_pad_with_probs",
+    "moe_permute_with_probs",
+    "moe_unpermute",
     "quantize_blockwise",
     "scaling_aware_transpose",
     "to_te",
+    "topk_to_routing_map",
 ]

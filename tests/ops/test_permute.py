@@ -1,0 +1,290 @@
+"""MoE permute / unpermute: Triton kernels vs reference (bitwise), explicit loop formulas, FP8 payloads,
+padding, both routing formats, gradients, bad input, and (GPU) full-size equality and no host sync."""
+
+import pytest
+import torch
+
+from conftest import KERNEL_DEVICE, requires_cuda
+from transformer_engine_moe import (
+    Float8BlockwiseQTensor,
+    moe_permute,
+    moe_permute_and_pad_with_probs,
+    moe_permute_with_probs,
+    moe_unpermute,
+    quantize_blockwise,
+    topk_to_routing_map,
+)
+from transformer_engine_moe.kernels import permute as kp
+from transformer_engine_moe.reference import permute as ref
+
+BACKENDS = ["triton", "reference"]
+
+
+def routing(t, e, k, device=KERNEL_DEVICE, case="random"):
+    """(routing_map [t, e] bool, probs [t, e] float32) for top-k routing. ``case``: "plain";
+    "random" (a token routed nowhere, an expert with no tokens); "one_expert" (all on expert 2)."""
+    logits = torch.randn(t, e)
+    if case == "one_expert":
+        logits[:, 2] += 100.0
+    idx = logits.topk(k, dim=1).indices
+    rm = torch.zeros(t, e, dtype=torch.bool).scatter_(1, idx, True)
+    if case == "one_expert":
+        rm[:] = False
+        rm[:, 2] = True
+    if case == "random" and t > 4:
+        rm[1] = False  # a token routed to no expert
+        rm[:, e - 1] = False  # an expert with no tokens
+    return rm.to(device), torch.softmax(logits, -1).to(device)
+
+
+def loop_permute(x, rm, probs):
+    """Explicit formula: expert-major, token order within an expert. (rows, probs, (token, expert) list)."""
+    rows, ps, pairs = [], [], []
+    for e in range(rm.shape[1]):
+        for t in range(rm.shape[0]):
+            if rm[t, e]:
+                rows.append(x[t]), ps.append(probs[t, e]), pairs.append((t, e))
+    return rows, ps, pairs
+
+
+def loop_unpermute(y, rm, probs, first_row):
+    """out[t] = sum over t's experts in ascending order of p * y[row], float32, one rounding each."""
+    out = torch.zeros(rm.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+    for t in range(rm.shape[0]):
+        for e in range(rm.shape[1]):
+            if rm[t, e]:
+                term = y[first_row[(t, e)]].float()
+                if probs is not None:
+                    term = term * probs[t, e].float()
+                out[t] = out[t] + term
+    return out.to(y.dtype)
+
+
+def _same(a, b):
+    if isinstance(a, Float8BlockwiseQTensor):
+        return (torch.equal(a.rowwise_data.view(torch.uint8), b.rowwise_data.view(torch.uint8))
+                and torch.equal(a.rowwise_scale_inv, b.rowwise_scale_inv))
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", ["random", "one_expert"])
+@pytest.mark.parametrize("t", [0, 1, 37])
+def test_routing_layout_kernel_matches_reference(case, t):
+    rm, _ = routing(t, 6, 2, case=case)
+    for align in (1, 16):
+        got, want = kp.routing_layout(rm, align), ref.routing_layout(rm, align)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_layout_and_merge_equal_the_loop_formulas(backend, dtype):
+    t, e, k = 29, 5, 3
+    rm, probs = routing(t, e, k)
+    x = torch.randn(t, 200, device=KERNEL_DEVICE).to(dtype)
+    out, pprobs, rmap = moe_permute_with_probs(x, probs, rm, t * k, backend=backend)
+    rows, ps, pairs = loop_permute(x, rm, probs)
+    n = len(rows)
+    assert out.shape == (t * k, 200) and pprobs.shape == (t * k,) and rmap.shape == (t, 2 * e + 1)
+    assert torch.equal(out[:n], torch.stack(rows)) and torch.equal(pprobs[:n], torch.stack(ps))
+    assert (out[n:] == 0).all() and (pprobs[n:] == 0).all()  # slack rows: zero, never garbage
+    y = torch.randn(t * k, 200, device=KERNEL_DEVICE).to(dtype)  # "expert outputs"
+    first_row = {pair: i for i, pair in enumerate(pairs)}
+    assert torch.equal(moe_unpermute(y, rmap, probs, backend=backend), loop_unpermute(y, rm, probs, first_row))
+    assert torch.equal(moe_unpermute(y, rmap, backend=backend), loop_unpermute(y, rm, None, first_row))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_round_trip_is_exact_for_top1(backend):
+    rm, _ = routing(40, 4, 1, case="plain")  # every token routed once
+    x = torch.randn(40, 256, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    ones = torch.ones(40, 4, device=KERNEL_DEVICE)
+    out, _, rmap = moe_permute_with_probs(x, ones, rm, 40, backend=backend)
+    assert torch.equal(moe_unpermute(out, rmap, ones, backend=backend), x)
+    out, _, rmap, pad, _ = moe_permute_and_pad_with_probs(x, ones, rm, None, 16, 40, backend=backend)
+    assert torch.equal(moe_unpermute(out, rmap, ones, pad_offsets=pad, backend=backend), x)
+
+
+@pytest.mark.parametrize("align", [0, 1, 16, 128])
+@pytest.mark.parametrize("case", ["random", "one_expert"])
+@pytest.mark.parametrize("t", [0, 33])
+def test_fp8_permute_and_pad_matches_reference_and_keeps_bytes(align, case, t):
+    e, k, h = 6, 2, 384
+    rm, probs = routing(t, e, k, case=case)
+    x = torch.randn(t, h, device=KERNEL_DEVICE) * torch.logspace(-3, 3, max(t, 1), device=KERNEL_DEVICE)[:t, None]
+    q = quantize_blockwise(x.to(torch.bfloat16))
+    tpe = rm.sum(0)
+    got = moe_permute_and_pad_with_probs(q, probs, rm, tpe, align, t * k, backend="triton")
+    want = moe_permute_and_pad_with_probs(q, probs, rm, tpe, align, t * k, backend="reference")
+    assert all(_same(a, b) for a, b in zip(got, want))
+    out, pprobs, rmap, pad, padded = got
+    assert isinstance(out, Float8BlockwiseQTensor) and out.pow2_scales
+    assert out.shape[0] == t * k + (e * (align - 1) if align > 1 else 0)
+    if align > 1:
+        assert ((padded % align) == 0).all() and (padded >= tpe).all() and (padded - tpe < align).all()
+    # every pair's FP8 bytes and scale row are those of its token; every other row is 0 with scale 1
+    starts = torch.cumsum(padded, 0) - padded
+    occupied = torch.zeros(out.shape[0], dtype=torch.bool, device=rm.device)
+    for ex in range(e):
+        tokens = rm[:, ex].nonzero().flatten()
+        rows = starts[ex] + torch.arange(len(tokens), device=rm.device)
+        occupied[rows] = True
+        assert torch.equal(out.rowwise_data.view(torch.uint8)[rows], q.rowwise_data.view(torch.uint8)[tokens])
+        assert torch.equal(out.rowwise_scale_inv[rows], q.rowwise_scale_inv[tokens])
+        assert torch.equal(pprobs[rows], probs[tokens, ex])
+    assert (out.rowwise_data.view(torch.uint8)[~occupied] == 0).all()
+    assert (out.rowwise_scale_inv[~occupied] == 1).all() and (pprobs[~occupied] == 0).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deepep_topk_format_equals_the_mask(backend):
+    t, e, k = 31, 8, 3
+    idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+    idx[4, 1] = -1  # a slot not selected (an expert on another rank)
+    w = torch.rand(t, k)
+    rm, probs = topk_to_routing_map(idx.to(KERNEL_DEVICE), w.to(KERNEL_DEVICE), e)
+    mask = torch.zeros(t, e, dtype=torch.bool)
+    dense = torch.zeros(t, e)
+    for i in range(t):
+        for j in range(k):
+            if idx[i, j] >= 0:
+                mask[i, idx[i, j]] = True
+                dense[i, idx[i, j]] = w[i, j]
+    assert torch.equal(rm.cpu(), mask) and torch.equal(probs.cpu(), dense)
+    x = torch.randn(t, 128, device=KERNEL_DEVICE)
+    a = moe_permute_with_probs(x, probs, rm, t * k, backend=backend)
+    b = moe_permute_with_probs(x, dense.to(KERNEL_DEVICE), mask.to(KERNEL_DEVICE), t * k, backend=backend)
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_match_autograd_of_the_loop_formulas(backend):
+    t, e, k, h = 23, 5, 2, 160
+    rm, probs0 = routing(t, e, k)
+    x = torch.randn(t, h, device=KERNEL_DEVICE, requires_grad=True)
+    probs = probs0.clone().requires_grad_()
+    out, pprobs, rmap, pad, _ = moe_permute_and_pad_with_probs(x, probs, rm, None, 8, t * k, backend=backend)
+    merge = torch.rand(t, e, device=KERNEL_DEVICE, requires_grad=True)
+    w_out = torch.randn(out.shape, device=KERNEL_DEVICE)
+    w_probs = torch.randn(pprobs.shape, device=KERNEL_DEVICE)
+    y = moe_unpermute(out * 1.5, rmap, merge, pad_offsets=pad, backend=backend)
+    w_y = torch.randn(y.shape, device=KERNEL_DEVICE)
+    ((out * w_out).sum() + (pprobs * w_probs).sum() + (y * w_y).sum()).backward()
+
+    # the same function written with loops, differentiated by autograd
+    xr = x.detach().clone().requires_grad_()
+    pr = probs0.clone().requires_grad_()
+    mr = merge.detach().clone().requires_grad_()
+    padded = ref.padding(rm.sum(0), 8)[1]
+    starts = (torch.cumsum(padded, 0) - padded).tolist()
+    row_of, loss = {}, 0.0
+    count = [0] * e
+    for ex in range(e):
+        for tok in range(t):
+            if rm[tok, ex]:
+                row = starts[ex] + count[ex]
+                count[ex] += 1
+                row_of[(tok, ex)] = row
+                loss = loss + (xr[tok] * w_out[row]).sum() + pr[tok, ex] * w_probs[row]
+    yr = torch.zeros(t, h, device=KERNEL_DEVICE)
+    for tok in range(t):
+        for ex in range(e):
+            if rm[tok, ex]:
+                yr[tok] = yr[tok] + xr[tok] * 1.5 * mr[tok, ex]
+    ((yr * w_y).sum() + loss).backward()
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(probs.grad, pr.grad, rtol=0, atol=0)
+    torch.testing.assert_close(merge.grad, mr.grad, rtol=1e-5, atol=1e-5)
+
+
+def test_unpermute_backward_kernel_matches_reference():
+    t, e, k, h = 19, 4, 2, 300
+    rm, probs = routing(t, e, k)
+    rmap = ref.make_row_id_map(rm)
+    pad, _ = ref.padding(rm.sum(0), 16)
+    cap = t * k + e * 15
+    x = torch.randn(cap, h, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    g = torch.randn(t, h, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    dx, dp = kp.unpermute_backward(g, x, rmap, probs, cap, pad)
+    rdx, rdp = ref.unpermute_backward(g, x, rmap, probs, cap, pad)
+    assert torch.equal(dx, rdx)
+    torch.testing.assert_close(dp, rdp, rtol=1e-5, atol=1e-5)  # float32 dot products, other order
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda x, rm, p: moe_permute_with_probs(x.int(), p, rm, 8), TypeError, "bf16/fp16/fp32"),
+        (lambda x, rm, p: moe_permute_with_probs(x[0], p, rm, 8), ValueError, r"2-D \[num_tokens, hidden\]"),
+        (lambda x, rm, p: moe_permute_with_probs(x, p, rm[:3], 8), ValueError, r"routing_map must be \[num_tokens=4"),
+        (lambda x, rm, p: moe_permute_with_probs(x, p, rm.float(), 8), TypeError, "bool or integer"),
+        (lambda x, rm, p: moe_permute_with_probs(x, p[:, :2], rm, 8), ValueError, r"probs must have shape \[4, 3\]"),
+        (lambda x, rm, p: moe_permute_with_probs(x, p, rm, 1), ValueError, "more than num_out_tokens=1"),
+        (lambda x, rm, p: moe_permute_with_probs(x, p, rm, -1), ValueError, "non-negative int"),
+        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, None, -2), ValueError, "align_size"),
+        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, torch.zeros(3), 16, 8), ValueError,
+         "tokens_per_expert differs"),
+        (lambda x, rm, p: moe_unpermute(quantize_blockwise(torch.randn(8, 128)), torch.zeros(4, 7, dtype=torch.int32)),
+         TypeError, "dequantize the FP8 tensor first"),
+        (lambda x, rm, p: moe_unpermute(x, torch.zeros(4, 7)), TypeError, "row_id_map must be the int32"),
+        (lambda x, rm, p: moe_unpermute(x, torch.zeros(4, 7, dtype=torch.int32), p[:, :2]), ValueError,
+         r"merging_probs must have shape \[4, 3\]"),
+        (lambda x, rm, p: moe_unpermute(x, torch.zeros(4, 7, dtype=torch.int32), restore_shape=(2, 128)),
+         ValueError, "restore_shape"),
+        (lambda x, rm, p: topk_to_routing_map(torch.tensor([[0, 3]]), torch.ones(1, 2), 3), ValueError,
+         r"outside \[-1, 3\)"),
+        (lambda x, rm, p: topk_to_routing_map(torch.tensor([[1, 1]]), torch.ones(1, 2), 3), ValueError,
+         "selects an expert twice"),
+        (lambda x, rm, p: topk_to_routing_map(torch.tensor([[1.0]]), torch.ones(1, 1), 3), TypeError,
+         "int32/int64"),
+    ],
+    ids=["int-inp", "1d-inp", "map-rows", "map-float", "probs-shape", "too-few-rows", "negative-rows",
+         "align", "tpe", "fp8-unpermute", "map-dtype", "merge-shape", "restore", "id-range", "id-twice",
+         "id-dtype"],
+)
+def test_bad_input_is_rejected_clearly(call, exc, match):
+    x = torch.randn(4, 128)
+    rm = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    with pytest.raises(exc, match=match):
+        call(x, rm, torch.rand(4, 3))
+
+
+def test_moe_permute_without_probs():
+    rm, probs = routing(20, 4, 2)
+    x = torch.randn(20, 128, device=KERNEL_DEVICE)
+    out, rmap = moe_permute(x, rm, 40, backend="triton")
+    out2, _, rmap2 = moe_permute_with_probs(x, probs, rm, 40, backend="reference")
+    assert torch.equal(out, out2) and torch.equal(rmap, rmap2)
+
+
+# ---------------------------------------------------------------------------- GPU only
+@requires_cuda
+@pytest.mark.parametrize("tokens,experts", [(4096, 256), (16384, 32)])
+def test_gpu_bitwise_at_deepseek_sizes(tokens, experts):
+    rm, probs = routing(tokens, experts, 8, "cuda", case="plain")
+    q = quantize_blockwise(torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16))
+    got = moe_permute_and_pad_with_probs(q, probs, rm, rm.sum(0), 128, tokens * 8, backend="triton")
+    want = moe_permute_and_pad_with_probs(q, probs, rm, rm.sum(0), 128, tokens * 8, backend="reference")
+    assert all(_same(a, b) for a, b in zip(got, want))
+    y = got[0].dequantize(torch.bfloat16)
+    assert torch.equal(moe_unpermute(y, got[2], probs, pad_offsets=got[3], backend="triton"),
+                       moe_unpermute(y, got[2], probs, pad_offsets=got[3], backend="reference"))
+
+
+@requires_cuda
+def test_gpu_no_host_sync():
+    rm, probs = routing(2048, 32, 8, "cuda", case="plain")
+    q = quantize_blockwise(torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16))
+    probs.requires_grad_()
+
+    def step():
+        out, pprobs, rmap, pad, padded = moe_permute_and_pad_with_probs(q, probs, rm, None, 128, 2048 * 8)
+        y = moe_unpermute(out.dequantize(torch.bfloat16) * 2, rmap, probs, pad_offsets=pad)
+        (y.float().sum() + pprobs.sum()).backward()
+
+    step()  # compile first
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

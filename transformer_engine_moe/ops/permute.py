@@ -1,0 +1,318 @@
+"""MoE token permutation with TransformerEngine's names: permute(+pad) before the expert GEMMs,
+unpermute(+unpad) and merge after them. FP8 rows travel with their scales; nothing syncs with the host.
+
+Layouts (``row_id_map``, ``pad_offsets``, capacities) are described in
+``reference/permute.py``. Returned per-expert counts stay on the device: the
+valid rows of a padded output are ``padded_tokens_per_expert.sum()``, of an
+unpadded one ``routing_map.sum()``; every other row is zero (FP8: zero bytes,
+scale_inv 1; probs 0).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..recipe import HIGH_PRECISION_DTYPES
+from ..reference import permute as ref
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from .backend import use_triton
+
+
+def _check_on_device(cond: torch.Tensor, message: str) -> None:
+    """Raise ValueError on CPU; on the GPU a device-side assert (no host sync), loud all the same."""
+    if cond.device.type == "cpu":
+        if not bool(cond):
+            raise ValueError(message)
+    else:
+        torch._assert_async(cond, message)
+
+
+def _check_inp(inp, name="inp") -> torch.Tensor:
+    """The row data ``[T, H]`` of a permute input (FP8: its rowwise data)."""
+    if isinstance(inp, Float8BlockwiseQTensor):
+        if inp.rowwise_data is None or inp.is_2D_scaled:
+            raise ValueError(f"{name}: a Float8BlockwiseQTensor needs rowwise 1x128 data to be permuted")
+        if inp.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [num_tokens, hidden], got shape {list(inp.shape)}")
+        return inp.rowwise_data
+    if not isinstance(inp, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or Float8BlockwiseQTensor, got {type(inp).__name__}")
+    if inp.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{name} must be bf16/fp16/fp32 or a Float8BlockwiseQTensor, got {inp.dtype}")
+    if inp.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [num_tokens, hidden], got shape {list(inp.shape)}")
+    return inp.contiguous()
+
+
+def _check_routing(routing_map, num_tokens: int, device) -> torch.Tensor:
+    if not isinstance(routing_map, torch.Tensor):
+        raise TypeError(f"routing_map must be a [num_tokens, num_experts] tensor, got {type(routing_map).__name__}")
+    if routing_map.dim() != 2 or routing_map.shape[0] != num_tokens:
+        raise ValueError(
+            f"routing_map must be [num_tokens={num_tokens}, num_experts], got shape {list(routing_map.shape)}"
+        )
+    if routing_map.dtype.is_floating_point or routing_map.dtype.is_complex:
+        raise TypeError(f"routing_map must be bool or integer, got {routing_map.dtype}")
+    if routing_map.device != device:
+        raise ValueError(f"routing_map is on {routing_map.device}, inp on {device}")
+    return routing_map if routing_map.dtype == torch.bool else routing_map != 0
+
+
+def _check_probs(probs, shape, device, name="probs") -> Optional[torch.Tensor]:
+    if probs is None:
+        return None
+    if not isinstance(probs, torch.Tensor) or not probs.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {getattr(probs, 'dtype', type(probs))}")
+    if tuple(probs.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(probs.shape)}")
+    if probs.device != device:
+        raise ValueError(f"{name} is on {probs.device}, inp on {device}")
+    return probs.contiguous()
+
+
+def _check_count(value, name) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
+
+
+def _check_row_id_map(row_id_map) -> int:
+    """Number of experts of a row_id_map ``[T, 2E+1]`` int32."""
+    if not isinstance(row_id_map, torch.Tensor) or row_id_map.dtype != torch.int32 or row_id_map.dim() != 2 \
+            or row_id_map.shape[1] % 2 != 1:
+        raise TypeError(
+            "row_id_map must be the int32 [num_tokens, 2 * num_experts + 1] tensor a moe_permute op returned, "
+            f"got {getattr(row_id_map, 'dtype', type(row_id_map))} of shape {list(getattr(row_id_map, 'shape', []))}"
+        )
+    return (row_id_map.shape[1] - 1) // 2
+
+
+def _permute_rows(x, row_id_map, capacity, pad_offsets, probs, scale_inv, kernel):
+    """``(out, out_probs, out_scale)``: rows moved, every other row zero (scale_inv 1, prob 0)."""
+    if not kernel:
+        return ref.permute(x, row_id_map, capacity, pad_offsets, probs, scale_inv)
+    from ..kernels import permute as kp
+
+    return kp.permute(x, row_id_map, capacity, pad_offsets, probs, scale_inv)
+
+
+def _unpermute_rows(x, row_id_map, merging_probs, pad_offsets, kernel):
+    if not kernel:
+        return ref.unpermute(x, row_id_map, merging_probs, pad_offsets)
+    from ..kernels import permute as kp
+
+    return kp.unpermute(x, row_id_map, merging_probs, pad_offsets)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, probs, row_id_map, pad_offsets, capacity: int, kernel: bool):
+        fp8 = isinstance(inp, Float8BlockwiseQTensor)
+        x = inp.rowwise_data if fp8 else inp
+        out, out_probs, out_scale = _permute_rows(
+            x, row_id_map, capacity, pad_offsets, probs, inp.rowwise_scale_inv if fp8 else None, kernel
+        )
+        if fp8:
+            out = Float8BlockwiseQTensor(
+                shape=out.shape, dtype=inp.dtype, fp8_dtype=inp.fp8_dtype, pow2_scales=inp.pow2_scales,
+                rowwise_data=out, rowwise_scale_inv=out_scale,
+            )
+        ctx.save_for_backward(row_id_map, pad_offsets)
+        ctx.kernel = kernel
+        ctx.probs_meta = (probs.shape, probs.dtype) if probs is not None else None
+        ctx.mark_non_differentiable(row_id_map)
+        return out, out_probs
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_probs):
+        row_id_map, pad_offsets = ctx.saved_tensors
+        grad_inp = None
+        if ctx.needs_input_grad[0]:
+            grad_inp = _unpermute_rows(grad_out.contiguous(), row_id_map, None, pad_offsets, ctx.kernel)
+        grad_in_probs = None
+        if ctx.needs_input_grad[1] and grad_probs is not None:
+            shape, dtype = ctx.probs_meta
+            e = shape[1]
+            rows, experts = row_id_map[:, :e].long(), row_id_map[:, e : 2 * e].long()
+            valid = rows >= 0
+            final = rows.clamp(min=0) + (pad_offsets[experts.clamp(min=0)] if pad_offsets is not None else 0)
+            picked = torch.where(valid, grad_probs[final], torch.zeros((), dtype=grad_probs.dtype,
+                                                                        device=grad_probs.device))
+            grad_in_probs = torch.zeros(shape, dtype=grad_probs.dtype, device=grad_probs.device)
+            grad_in_probs.scatter_add_(1, experts.clamp(min=0), picked)
+            grad_in_probs = grad_in_probs.to(dtype)
+        return grad_inp, grad_in_probs, None, None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, merging_probs, row_id_map, pad_offsets, kernel: bool):
+        out = _unpermute_rows(inp, row_id_map, merging_probs, pad_offsets, kernel)
+        ctx.save_for_backward(inp if merging_probs is not None else None, merging_probs, row_id_map, pad_offsets)
+        ctx.kernel, ctx.capacity = kernel, inp.shape[0]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        inp, merging_probs, row_id_map, pad_offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        if merging_probs is None:
+            dinp, _, _ = _permute_rows(grad, row_id_map, ctx.capacity, pad_offsets, None, None, ctx.kernel)
+            return dinp, None, None, None, None
+        if ctx.kernel:
+            from ..kernels import permute as kp
+
+            dinp, dprobs = kp.unpermute_backward(grad, inp, row_id_map, merging_probs, ctx.capacity, pad_offsets)
+        else:
+            dinp, dprobs = ref.unpermute_backward(grad, inp, row_id_map, merging_probs, ctx.capacity, pad_offsets)
+        return dinp, dprobs.to(merging_probs.dtype), None, None, None
+
+
+def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_expert, backend, op):
+    x = _check_inp(inp)
+    num_tokens = x.shape[0]
+    routing_map = _check_routing(routing_map, num_tokens, x.device).contiguous()
+    num_experts = routing_map.shape[1]
+    probs = _check_probs(probs, (num_tokens, num_experts), x.device)
+    _check_count(num_out_tokens, "num_out_tokens")
+    if tokens_per_expert is not None and (not isinstance(tokens_per_expert, torch.Tensor)
+                                          or tuple(tokens_per_expert.shape) != (num_experts,)):
+        raise ValueError(f"tokens_per_expert must be a [num_experts={num_experts}] tensor")
+    kernel = use_triton(backend, x, op)
+    if kernel:
+        from ..kernels import permute as impl
+    else:
+        impl = ref
+    row_id_map, counts, pad_offsets, padded = impl.routing_layout(routing_map, max(align_size or 1, 1))
+    if tokens_per_expert is not None:
+        _check_on_device((tokens_per_expert.to(counts.device, torch.int64) == counts).all(),
+                         f"{op}: tokens_per_expert differs from routing_map.sum(0)")
+    if num_out_tokens is None:
+        num_out_tokens = num_tokens * num_experts  # a mask's worst case: pass num_tokens * topk instead
+    else:
+        _check_on_device(counts.sum() <= num_out_tokens,
+                         f"{op}: routing_map routes more than num_out_tokens={num_out_tokens} pairs")
+    capacity = num_out_tokens
+    if align_size is None:
+        pad_offsets = padded = None
+    elif align_size > 1:
+        capacity += num_experts * (align_size - 1)
+    out, out_probs = _Permute.apply(inp, probs, row_id_map, pad_offsets, capacity, kernel)
+    return out, out_probs, row_id_map, pad_offsets, padded
+
+
+def moe_permute(inp, routing_map: torch.Tensor, num_out_tokens: Optional[int] = None, *, backend: str = "auto"):
+    """Permute tokens expert-major: ``(output [num_out_tokens, H], row_id_map [T, 2E+1])``.
+
+    ``inp``: ``[T, H]`` bf16/fp16/fp32 or a rowwise 1x128 Float8BlockwiseQTensor
+    (its scale rows move with the data; the output is one too). ``routing_map``:
+    ``[T, E]`` bool/int mask (DeepEP's top-k format: ``topk_to_routing_map``).
+    ``num_out_tokens``: output rows, at least the routed pairs (e.g. ``T * topk``;
+    default ``T * E``); unused rows are zero.
+    """
+    out, _, row_id_map, _, _ = _permute(inp, None, routing_map, num_out_tokens, None, None, backend, "moe_permute")
+    return out, row_id_map
+
+
+def moe_permute_with_probs(
+    inp, probs: torch.Tensor, routing_map: torch.Tensor, num_out_tokens: Optional[int] = None, *,
+    backend: str = "auto",
+):
+    """``moe_permute`` that also moves the router probs ``[T, E]``:
+    ``(output [num_out_tokens, H], permuted_probs [num_out_tokens], row_id_map [T, 2E+1])``."""
+    out, out_probs, row_id_map, _, _ = _permute(
+        inp, probs, routing_map, num_out_tokens, None, None, backend, "moe_permute_with_probs"
+    )
+    return out, out_probs, row_id_map
+
+
+def moe_permute_and_pad_with_probs(
+    inp, probs: torch.Tensor, routing_map: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
+    align_size: int, num_out_tokens: Optional[int] = None, *, backend: str = "auto",
+):
+    """``moe_permute_with_probs`` with each expert's rows padded to a multiple of ``align_size``.
+
+    Returns ``(output, permuted_probs, row_id_map, pad_offsets [E] int64,
+    padded_tokens_per_expert [E] int64)``; output has the worst-case
+    ``num_out_tokens + E * (align_size - 1)`` rows (``num_out_tokens`` default
+    ``T * E``); padding rows between experts and slack rows at the end are zero
+    (FP8: scale_inv 1). ``tokens_per_expert`` (``routing_map.sum(0)``, checked on
+    the device) may be None. ``align_size`` 0 or 1: no padding. Pass
+    ``pad_offsets`` to ``moe_unpermute``.
+    """
+    if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size < 0:
+        raise ValueError(f"align_size must be a non-negative int, got {align_size!r}")
+    return _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_expert, backend,
+                    "moe_permute_and_pad_with_probs")
+
+
+def moe_unpermute(
+    inp: torch.Tensor,
+    row_id_map: torch.Tensor,
+    merging_probs: Optional[torch.Tensor] = None,
+    restore_shape: Optional[Sequence[int]] = None,
+    pad_offsets: Optional[torch.Tensor] = None,
+    *,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Merge expert outputs back per token: ``out[t] = sum_e merging_probs[t, e] * inp[row(t, e)]``.
+
+    ``inp``: ``[rows, H]`` bf16/fp16/fp32 expert outputs in the permuted layout;
+    ``merging_probs``: ``[T, E]`` (None: plain sum); ``pad_offsets``: what
+    ``moe_permute_and_pad_with_probs`` returned (padding rows are skipped).
+    Float32 accumulation in ascending expert order, one cast to ``inp``'s dtype.
+    Returns ``[T, H]``, or ``restore_shape``.
+    """
+    if isinstance(inp, Float8BlockwiseQTensor):
+        raise TypeError("moe_unpermute merges high-precision expert outputs; dequantize the FP8 tensor first")
+    if not isinstance(inp, torch.Tensor) or inp.dtype not in HIGH_PRECISION_DTYPES or inp.dim() != 2:
+        raise TypeError(
+            f"inp must be a 2-D bf16/fp16/fp32 tensor, got {getattr(inp, 'dtype', type(inp))} "
+            f"of shape {list(getattr(inp, 'shape', []))}"
+        )
+    num_experts = _check_row_id_map(row_id_map)
+    if row_id_map.device != inp.device:
+        raise ValueError(f"row_id_map is on {row_id_map.device}, inp on {inp.device}")
+    num_tokens = row_id_map.shape[0]
+    merging_probs = _check_probs(merging_probs, (num_tokens, num_experts), inp.device, "merging_probs")
+    if pad_offsets is not None and (not isinstance(pad_offsets, torch.Tensor)
+                                    or tuple(pad_offsets.shape) != (num_experts,)):
+        raise ValueError(f"pad_offsets must be the [num_experts={num_experts}] tensor the padded permute returned")
+    if restore_shape is not None:
+        restore_shape = torch.Size(restore_shape)
+        if restore_shape.numel() != num_tokens * inp.shape[1] or restore_shape[-1] != inp.shape[1]:
+            raise ValueError(
+                f"restore_shape {list(restore_shape)} does not hold [num_tokens={num_tokens}, hidden={inp.shape[1]}]"
+            )
+    kernel = use_triton(backend, inp, "moe_unpermute")
+    out = _Unpermute.apply(inp.contiguous(), merging_probs, row_id_map, pad_offsets, kernel)
+    return out.view(restore_shape) if restore_shape is not None else out
+
+
+def topk_to_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
+    """DeepEP's format -> ``(routing_map [T, E] bool, probs [T, E])``.
+
+    ``topk_idx`` ``[T, k]`` int (-1: slot not selected, e.g. an expert on another
+    rank), ``topk_weights`` ``[T, k]`` float. Differentiable in ``topk_weights``
+    (the probs' gradient flows back to the selected slots). Out-of-range or
+    repeated ids raise ``ValueError`` on CPU and trip a device-side assert on the GPU.
+    """
+    if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.dtype not in (
+        torch.int32, torch.int64
+    ):
+        raise TypeError(f"topk_idx must be a 2-D int32/int64 tensor [num_tokens, k], got "
+                        f"{getattr(topk_idx, 'dtype', type(topk_idx))}")
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+    topk_weights = _check_probs(topk_weights, topk_idx.shape, topk_idx.device, "topk_weights")
+    selected = topk_idx >= 0
+    _check_on_device(((topk_idx >= -1) & (topk_idx < num_experts)).all(),
+                     f"topk_idx holds expert ids outside [-1, {num_experts})")
+    idx = topk_idx.long().clamp(min=0)
+    routing_map = torch.zeros((topk_idx.shape[0], num_experts), dtype=torch.int32, device=topk_idx.device)
+    routing_map.scatter_add_(1, idx, selected.int())
+    _check_on_device((routing_map <= 1).all(), "topk_idx selects an expert twice for one token")
+    probs = torch.zeros((topk_idx.shape[0], num_experts), dtype=topk_weights.dtype, device=topk_idx.device)
+    probs = probs.scatter_add(1, idx, torch.where(selected, topk_weights, torch.zeros_like(topk_weights)))
+    return routing_map > 0, probs

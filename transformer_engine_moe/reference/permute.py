@@ -1,0 +1,137 @@
+"""Plain-PyTorch MoE permutation: the oracle and the CPU path.
+
+Terms, for T tokens, E experts, hidden size H:
+
+* ``routing_map`` ``[T, E]`` bool: token t goes to expert e.
+* ``row_id_map`` int32 ``[T, 2E+1]`` (TransformerEngine's layout): for token t,
+  ``[t, :n]`` the destination rows of its n routed experts in ascending expert
+  order, ``[t, E:E+n]`` those experts, ``[t, 2E] = n``; unused entries are -1.
+  Destination rows are expert-major, token order within an expert, *without*
+  padding: row = (tokens of experts < e) + (rank of t among e's tokens).
+* ``pad_offsets`` int64 ``[E]``: padding rows inserted before expert e's rows
+  (exclusive cumsum of ``padded - tokens_per_expert``); the final row of a pair
+  is ``row + pad_offsets[e]``.
+* Outputs have ``capacity`` rows; rows that no pair lands on (padding between
+  experts, slack at the end) hold zeros (FP8: zero bytes, scale_inv 1; probs 0).
+
+Merges (unpermute) accumulate in float32 in ascending expert order, one
+rounding per multiply and per add, then cast once to the output dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def make_row_id_map(routing_map: torch.Tensor) -> torch.Tensor:
+    """``routing_map [T, E]`` bool -> ``row_id_map`` int32 ``[T, 2E+1]`` (see module doc)."""
+    t, e = routing_map.shape
+    m = routing_map.to(torch.int64)
+    counts = m.sum(0)
+    rank = torch.cumsum(m, 0) - m
+    dest = torch.where(routing_map, (torch.cumsum(counts, 0) - counts)[None, :] + rank, -1)
+    order = torch.argsort((~routing_map).to(torch.int8), dim=1, stable=True)  # routed experts first
+    routed = torch.gather(routing_map, 1, order)
+    rows = torch.where(routed, torch.gather(dest, 1, order), -1)
+    experts = torch.where(routed, order, -1)
+    return torch.cat([rows, experts, m.sum(1, keepdim=True)], dim=1).to(torch.int32)
+
+
+def padding(tokens_per_expert: torch.Tensor, align_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pad_offsets, padded_tokens_per_expert)``, int64 ``[E]``: each expert's rows padded up to a
+    multiple of ``align_size`` (<= 1: no padding)."""
+    tpe = tokens_per_expert.to(torch.int64)
+    padded = (tpe + align_size - 1) // align_size * align_size if align_size > 1 else tpe
+    extra = padded - tpe
+    return torch.cumsum(extra, 0) - extra, padded
+
+
+def routing_layout(routing_map: torch.Tensor, align_size: int):
+    """``(row_id_map, tokens_per_expert, pad_offsets, padded_tokens_per_expert)`` of a routing map."""
+    counts = routing_map.sum(0)
+    return (make_row_id_map(routing_map), counts) + padding(counts, align_size)
+
+
+def _pairs(row_id_map: torch.Tensor, pad_offsets: Optional[torch.Tensor]):
+    """(token, expert, final row) of every routed pair, in token-major, ascending-expert order."""
+    e = (row_id_map.shape[1] - 1) // 2
+    rows, experts = row_id_map[:, :e].long(), row_id_map[:, e : 2 * e].long()
+    valid = rows >= 0
+    token = torch.arange(row_id_map.shape[0], device=row_id_map.device)[:, None].expand_as(rows)
+    final = rows + (pad_offsets[experts.clamp(min=0)] if pad_offsets is not None else 0)
+    return token[valid], experts[valid], final[valid]
+
+
+def permute(
+    inp: torch.Tensor,
+    row_id_map: torch.Tensor,
+    capacity: int,
+    pad_offsets: Optional[torch.Tensor] = None,
+    probs: Optional[torch.Tensor] = None,
+    scale_inv: Optional[torch.Tensor] = None,
+):
+    """Move rows of ``inp [T, H]`` (any dtype, FP8 included: bytes are copied) to their expert-major
+    rows of a ``[capacity, H]`` output; ``scale_inv [T, S]`` rows and ``probs [T, E]`` entries move
+    with them. Returns ``(out, out_probs or None, out_scale_inv or None)``."""
+    token, expert, final = _pairs(row_id_map, pad_offsets)
+    out = torch.zeros((capacity, inp.shape[1]), dtype=inp.dtype, device=inp.device)
+    if inp.dtype.itemsize == 1 and inp.is_floating_point():  # FP8: move the bytes
+        out.view(torch.uint8)[final] = inp.view(torch.uint8)[token]
+    else:
+        out[final] = inp[token]
+    out_probs = out_scale = None
+    if probs is not None:
+        out_probs = torch.zeros(capacity, dtype=probs.dtype, device=probs.device)
+        out_probs[final] = probs[token, expert]
+    if scale_inv is not None:
+        out_scale = torch.ones((capacity, scale_inv.shape[1]), dtype=scale_inv.dtype, device=scale_inv.device)
+        out_scale[final] = scale_inv[token]
+    return out, out_probs, out_scale
+
+
+def unpermute(
+    inp: torch.Tensor,
+    row_id_map: torch.Tensor,
+    merging_probs: Optional[torch.Tensor] = None,
+    pad_offsets: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """``out[t] = sum_e merging_probs[t, e] * inp[row(t, e)]`` over t's routed experts (no probs:
+    plain sum), float32 accumulation in ascending expert order, cast to ``inp``'s dtype. ``[T, H]``."""
+    t_count, e = row_id_map.shape[0], (row_id_map.shape[1] - 1) // 2
+    rows, experts = row_id_map[:, :e].long(), row_id_map[:, e : 2 * e].long()
+    acc = torch.zeros((t_count, inp.shape[1]), dtype=torch.float32, device=inp.device)
+    tokens = torch.arange(t_count, device=inp.device)
+    for j in range(e):  # slot j: the j-th routed expert of every token
+        valid = rows[:, j] >= 0
+        if not bool(valid.any()):
+            break
+        final = rows[:, j].clamp(min=0)
+        if pad_offsets is not None:
+            final = final + pad_offsets[experts[:, j].clamp(min=0)]
+        term = inp[final].float()
+        if merging_probs is not None:
+            term = term * merging_probs[tokens, experts[:, j].clamp(min=0)].float()[:, None]
+        acc = torch.where(valid[:, None], acc + term, acc)
+    return acc.to(inp.dtype)
+
+
+def unpermute_backward(
+    grad: torch.Tensor,
+    inp: torch.Tensor,
+    row_id_map: torch.Tensor,
+    merging_probs: torch.Tensor,
+    capacity: int,
+    pad_offsets: Optional[torch.Tensor] = None,
+):
+    """Gradients of ``unpermute`` with merging probs: ``dinp [capacity, H]`` (``grad[t] * p[t, e]``
+    at row(t, e), cast to ``grad``'s dtype; zeros elsewhere) and ``dprobs [T, E]``
+    (``sum_h inp[row(t, e), h] * grad[t, h]`` in float32, 0 where not routed)."""
+    token, expert, final = _pairs(row_id_map, pad_offsets)
+    dinp = torch.zeros((capacity, grad.shape[1]), dtype=grad.dtype, device=grad.device)
+    p = merging_probs[token, expert].float()
+    dinp[final] = (grad[token].float() * p[:, None]).to(grad.dtype)
+    dprobs = torch.zeros(merging_probs.shape, dtype=torch.float32, device=grad.device)
+    dprobs[token, expert] = (inp[final].float() * grad[token].float()).sum(1)
+    return dinp, dprobs.to(merging_probs.dtype)
