@@ -12,6 +12,7 @@ from .ops import (
     quantize_blockwise,
     scaling_aware_transpose,
     topk_to_routing_map,
+    weighted_swiglu_quant,
 )
 from .quantizer import Float8BlockQuantizer
 from .recipe import FP8FlowRecipe, Format, Role
@@ -35,4 +36,5 @@ __all__ = [
     "scaling_aware_transpose",
     "to_te",
     "topk_to_routing_map",
+    "weighted_swiglu_quant",
 ]

@@ -108,6 +108,17 @@ def _row_id_map_kernel(
 
 
 @triton.jit
+def _pair(map_ptr, pad_ptr, t, j, E, valid, PADDED: tl.constexpr):
+    """Output row (int64, after padding) and expert of token t's j-th routed pair (j scalar or vector)."""
+    width = 2 * E + 1
+    row = tl.load(map_ptr + t * width + j, mask=valid, other=0).to(tl.int64)
+    expert = tl.load(map_ptr + t * width + E + j, mask=valid, other=0)
+    if PADDED:
+        row += tl.load(pad_ptr + expert, mask=valid, other=0)
+    return row, expert
+
+
+@triton.jit
 def _permute_kernel(
     x_ptr, map_ptr, pad_ptr, probs_ptr, s_ptr,
     out_ptr, out_probs_ptr, out_s_ptr, occupied_ptr,
@@ -124,10 +135,7 @@ def _permute_kernel(
     width = 2 * E + 1
     n = tl.load(map_ptr + t * width + 2 * E)
     slot = tl.arange(0, E_PAD)
-    rows = tl.load(map_ptr + t * width + slot, mask=slot < n, other=0).to(tl.int64)
-    experts = tl.load(map_ptr + t * width + E + slot, mask=slot < n, other=0)
-    if PADDED:
-        rows += tl.load(pad_ptr + experts, mask=slot < n, other=0)
+    rows, experts = _pair(map_ptr, pad_ptr, t, slot, E, slot < n, PADDED)
     first = chunk == 0
     if first:
         tl.store(occupied_ptr + rows, tl.full([E_PAD], 1, tl.int8), mask=slot < n)
@@ -184,10 +192,7 @@ def _unpermute_kernel(
     acc = tl.zeros([BLOCK_H], tl.float32)
     j = 0
     while j < n:
-        row = tl.load(map_ptr + t * width + j).to(tl.int64)
-        expert = tl.load(map_ptr + t * width + E + j)
-        if PADDED:
-            row += tl.load(pad_ptr + expert)
+        row, expert = _pair(map_ptr, pad_ptr, t, j, E, j < n, PADDED)
         term = to_float(tl.load(x_ptr + row * H + h, mask=h < H, other=0.0), SOFTWARE_CAST)
         if HAS_PROBS:
             term = term * to_float(tl.load(probs_ptr + t * E + expert), SOFTWARE_CAST)
@@ -214,10 +219,7 @@ def _unpermute_backward_kernel(
         g = to_float(tl.load(g_ptr + t * H + h, mask=h < H, other=0.0), SOFTWARE_CAST)
         j = 0
         while j < n:
-            row = tl.load(map_ptr + t * width + j).to(tl.int64)
-            expert = tl.load(map_ptr + t * width + E + j)
-            if PADDED:
-                row += tl.load(pad_ptr + expert)
+            row, expert = _pair(map_ptr, pad_ptr, t, j, E, j < n, PADDED)
             p = to_float(tl.load(probs_ptr + t * E + expert), SOFTWARE_CAST)
             tl.store(occupied_ptr + row, 1)
             tl.store(dx_ptr + row * H + h, cast_for_store(g * p, dx_ptr.dtype.element_ty, SOFTWARE_CAST),

@@ -9,6 +9,7 @@ from .permute import (
     topk_to_routing_map,
 )
 from .quantize import QuantizeArgs, quantize_blockwise
+from .swiglu import weighted_swiglu_quant
 from .transpose import scaling_aware_transpose
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "quantize_blockwise",
     "scaling_aware_transpose",
     "topk_to_routing_map",
+    "weighted_swiglu_quant",
 ]

@@ -1,0 +1,69 @@
+"""Plain-PyTorch weighted SwiGLU (+ quantization): the oracle and the CPU path.
+
+For ``x [M, 2F]`` with ``a = x[:, :F]``, ``b = x[:, F:]`` and router probs ``p [M]``
+(or none), in float32, in this order (the kernels use the same order, without
+FMA contraction, and the same ``expf``):
+
+    silu = a / (1 + exp(-a));  y = (silu * b) * p
+
+(one IEEE division: ``a * (1 / (1 + exp(-a)))`` costs a second rounding and 10% of
+the forward kernel's bandwidth). Backward, for ``dy [M, F]``:
+
+    s = 1 / (1 + exp(-a));  silu = a * s;  g = dy * p;  dsilu = s * (1 + a * (1 - s))
+    da = (g * b) * dsilu;  db = g * silu;  dp = sum_f (dy * silu) * b
+
+Quantization of ``y`` is ``quantize_1x128`` except that non-finite values stay
+non-finite instead of saturating: +-inf becomes the NaN byte in E4M3 (which has
+no inf) and +-inf in E5M2, so an overflow in the expert is never silently
+clipped to +-fp8_max.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .quantize import quantize_1x128
+
+
+def _halves(x: torch.Tensor):
+    f = x.shape[1] // 2
+    return x[:, :f].float(), x[:, f:].float()
+
+
+def weighted_swiglu(x: torch.Tensor, probs: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y [M, F]`` float32 (see the module doc for the arithmetic)."""
+    a, b = _halves(x)
+    y = (a / (1.0 + torch.exp(-a))) * b
+    return y * probs.float()[:, None] if probs is not None else y
+
+
+def keep_nonfinite(data: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """FP8 ``data`` with every +-inf of ``y`` written as a non-finite code (E4M3: 0x7F, E5M2: +-inf)."""
+    codes = data.view(torch.uint8)
+    if data.dtype == torch.float8_e5m2:
+        inf = torch.where(y > 0, torch.full_like(codes, 0x7C), torch.full_like(codes, 0xFC))
+    else:
+        inf = torch.full_like(codes, 0x7F)
+    return torch.where(torch.isinf(y), inf, codes).view(data.dtype)
+
+
+def quantize_nonfinite_1x128(y: torch.Tensor, fp8_dtype: torch.dtype, pow2_scales: bool = True):
+    """``quantize_1x128`` of float32 ``y`` keeping +-inf non-finite: ``(data, scale_inv)``."""
+    data, scale_inv = quantize_1x128(y, fp8_dtype, pow2_scales)
+    return keep_nonfinite(data, y), scale_inv
+
+
+def weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: Optional[torch.Tensor] = None):
+    """``(dx [M, 2F] float32, dprobs [M] float32 or None)``."""
+    a, b = _halves(x)
+    s = 1.0 / (1.0 + torch.exp(-a))
+    silu = a * s
+    dsilu = s * (1.0 + a * (1.0 - s))
+    g = dy.float()
+    dprobs = None
+    if probs is not None:
+        dprobs = ((g * silu) * b).sum(1)
+        g = g * probs.float()[:, None]
+    return torch.cat([(g * b) * dsilu, g * silu], dim=1), dprobs
