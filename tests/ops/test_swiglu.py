@@ -155,3 +155,30 @@ def test_gpu_bitwise_at_full_size(m, f):
     rdx, rdp = ref.weighted_swiglu_backward(dy, x, probs)
     assert torch.equal(dx, rdx.to(x.dtype))
     assert_dprobs_close(dp, rdp, dy, x)
+
+
+@requires_cuda
+def test_gpu_permute_activation_unpermute_has_no_host_sync():
+    """permute+pad (FP8) -> SwiGLU+quant -> unpermute, forward and backward, under sync-debug mode."""
+    from transformer_engine_moe import moe_permute_and_pad_with_probs, moe_unpermute
+
+    tokens, experts, hidden = 2048, 32, 512
+    logits = torch.randn(tokens, experts, device="cuda")
+    rm = torch.zeros(tokens, experts, dtype=torch.bool, device="cuda").scatter_(1, logits.topk(8, 1).indices, True)
+    probs = torch.softmax(logits, -1).requires_grad_()
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(hidden, 2 * hidden, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out, pprobs, rmap, pad, _ = moe_permute_and_pad_with_probs(
+            quantize_blockwise(x), probs, rm, None, 128, tokens * 8)
+        h = weighted_swiglu_quant(out.dequantize(torch.bfloat16) @ w, pprobs, HYBRID, quantize_grad=True)
+        y = moe_unpermute(h.dequantize(torch.bfloat16), rmap, probs, pad_offsets=pad)
+        y.float().sum().backward()
+
+    step()  # compile first
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
