@@ -19,6 +19,17 @@ requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 KERNEL_DEVICE = "cuda" if CUDA else "cpu"
 
 
+def assert_no_host_sync(step) -> None:
+    """Run ``step()`` once (compiling its kernels), then again with CUDA's sync debug mode raising on
+    any host-device synchronisation."""
+    step()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

@@ -4,7 +4,7 @@ padding, both routing formats, gradients, bad input, and (GPU) full-size equalit
 import pytest
 import torch
 
-from conftest import KERNEL_DEVICE, requires_cuda
+from conftest import KERNEL_DEVICE, assert_no_host_sync, requires_cuda
 from transformer_engine_moe import (
     Float8BlockwiseQTensor,
     moe_permute,
@@ -282,9 +282,4 @@ def test_gpu_no_host_sync():
         y = moe_unpermute(out.dequantize(torch.bfloat16) * 2, rmap, probs, pad_offsets=pad)
         (y.float().sum() + pprobs.sum()).backward()
 
-    step()  # compile first
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_no_host_sync(step)

@@ -4,7 +4,7 @@ values, bad input, and (GPU) bitwise equality at full size."""
 import pytest
 import torch
 
-from conftest import CUDA, KERNEL_DEVICE, requires_cuda
+from conftest import CUDA, KERNEL_DEVICE, assert_no_host_sync, requires_cuda
 from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise, weighted_swiglu_quant
 from transformer_engine_moe.reference import swiglu as ref
 
@@ -176,9 +176,4 @@ def test_gpu_permute_activation_unpermute_has_no_host_sync():
         y = moe_unpermute(h.dequantize(torch.bfloat16), rmap, probs, pad_offsets=pad)
         y.float().sum().backward()
 
-    step()  # compile first
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        step()
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_no_host_sync(step)

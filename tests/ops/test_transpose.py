@@ -4,7 +4,7 @@ reference (bitwise), groups, special values, accuracy against double quantizatio
 import pytest
 import torch
 
-from conftest import KERNEL_DEVICE, requires_cuda
+from conftest import KERNEL_DEVICE, assert_no_host_sync, requires_cuda
 from transformer_engine_moe import Float8BlockwiseQTensor, quantize_blockwise, scaling_aware_transpose
 from transformer_engine_moe.kernels import transpose as kt
 from transformer_engine_moe.layout import column_block_of_row
@@ -211,11 +211,10 @@ def test_gpu_software_reencoding_equals_hardware(fp8):
 def test_gpu_no_host_sync():
     q = quantize_blockwise(activations(8192, 1024, "cuda"))
     splits = torch.tensor([4000, 192, 4000], device="cuda")
-    scaling_aware_transpose(q, splits)  # compile first
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+
+    def step():
         scaling_aware_transpose(q, splits)
         scaling_aware_transpose(q, [4000, 192, 4000])
         q.dequantize(torch.bfloat16)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+
+    assert_no_host_sync(step)
