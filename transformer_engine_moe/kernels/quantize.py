@@ -4,7 +4,8 @@ Launchers take and return plain tensors (no package types). The arithmetic is
 that of :mod:`transformer_engine_moe.reference.quantize`, step for step, so the
 GPU output is bitwise equal to the reference: float32 amax with NaN dropped,
 ``div_rn`` for ``fp8_max / amax`` and ``1 / scale``, a power-of-two mask on the
-scale bits, explicit finite saturation, and NaN written as the byte ``0x7F``.
+scale bits, and the FP8 conversion of ``casts.py`` (round-to-nearest-even,
+finite saturation, NaN as the byte ``0x7F``).
 
 FP8 data is stored through a ``uint8`` view of the output.
 """
