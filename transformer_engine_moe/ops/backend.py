@@ -8,7 +8,9 @@ how the CPU test suite exercises the kernels. ``"reference"`` forces the oracle.
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
 
 import torch
 
@@ -32,3 +34,9 @@ def use_triton(backend: str, tensor: torch.Tensor, op_name: str) -> bool:
             f"{tensor.device}"
         )
     return True
+
+
+def implementation(kernel: bool, op: str) -> ModuleType:
+    """The module implementing ``op``: ``kernels.<op>`` (imported on first use: it needs Triton) or
+    ``reference.<op>``. Both expose the same function names and signatures."""
+    return importlib.import_module(f"..{'kernels' if kernel else 'reference'}.{op}", __package__)

@@ -15,9 +15,8 @@ from typing import Optional, Sequence
 import torch
 
 from ..recipe import HIGH_PRECISION_DTYPES
-from ..reference import permute as ref
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .backend import use_triton
+from .backend import implementation, use_triton
 
 
 def _check_on_device(cond: torch.Tensor, message: str) -> None:
@@ -88,30 +87,13 @@ def _check_row_id_map(row_id_map) -> int:
     return (row_id_map.shape[1] - 1) // 2
 
 
-def _permute_rows(x, row_id_map, capacity, pad_offsets, probs, scale_inv, kernel):
-    """``(out, out_probs, out_scale)``: rows moved, every other row zero (scale_inv 1, prob 0)."""
-    if not kernel:
-        return ref.permute(x, row_id_map, capacity, pad_offsets, probs, scale_inv)
-    from ..kernels import permute as kp
-
-    return kp.permute(x, row_id_map, capacity, pad_offsets, probs, scale_inv)
-
-
-def _unpermute_rows(x, row_id_map, merging_probs, pad_offsets, kernel):
-    if not kernel:
-        return ref.unpermute(x, row_id_map, merging_probs, pad_offsets)
-    from ..kernels import permute as kp
-
-    return kp.unpermute(x, row_id_map, merging_probs, pad_offsets)
-
-
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, probs, row_id_map, pad_offsets, capacity: int, kernel: bool):
         fp8 = isinstance(inp, Float8BlockwiseQTensor)
         x = inp.rowwise_data if fp8 else inp
-        out, out_probs, out_scale = _permute_rows(
-            x, row_id_map, capacity, pad_offsets, probs, inp.rowwise_scale_inv if fp8 else None, kernel
+        out, out_probs, out_scale = implementation(kernel, "permute").permute(
+            x, row_id_map, capacity, pad_offsets, probs, inp.rowwise_scale_inv if fp8 else None
         )
         if fp8:
             out = Float8BlockwiseQTensor(
@@ -129,7 +111,9 @@ class _Permute(torch.autograd.Function):
         row_id_map, pad_offsets = ctx.saved_tensors
         grad_inp = None
         if ctx.needs_input_grad[0]:
-            grad_inp = _unpermute_rows(grad_out.contiguous(), row_id_map, None, pad_offsets, ctx.kernel)
+            grad_inp = implementation(ctx.kernel, "permute").unpermute(
+                grad_out.contiguous(), row_id_map, None, pad_offsets
+            )
         grad_in_probs = None
         if ctx.needs_input_grad[1] and grad_probs is not None:
             shape, dtype = ctx.probs_meta
@@ -148,7 +132,7 @@ class _Permute(torch.autograd.Function):
 class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, merging_probs, row_id_map, pad_offsets, kernel: bool):
-        out = _unpermute_rows(inp, row_id_map, merging_probs, pad_offsets, kernel)
+        out = implementation(kernel, "permute").unpermute(inp, row_id_map, merging_probs, pad_offsets)
         ctx.save_for_backward(inp if merging_probs is not None else None, merging_probs, row_id_map, pad_offsets)
         ctx.kernel, ctx.capacity = kernel, inp.shape[0]
         return out
@@ -157,15 +141,11 @@ class _Unpermute(torch.autograd.Function):
     def backward(ctx, grad):
         inp, merging_probs, row_id_map, pad_offsets = ctx.saved_tensors
         grad = grad.contiguous()
+        impl = implementation(ctx.kernel, "permute")
         if merging_probs is None:
-            dinp, _, _ = _permute_rows(grad, row_id_map, ctx.capacity, pad_offsets, None, None, ctx.kernel)
+            dinp, _, _ = impl.permute(grad, row_id_map, ctx.capacity, pad_offsets, None, None)
             return dinp, None, None, None, None
-        if ctx.kernel:
-            from ..kernels import permute as kp
-
-            dinp, dprobs = kp.unpermute_backward(grad, inp, row_id_map, merging_probs, ctx.capacity, pad_offsets)
-        else:
-            dinp, dprobs = ref.unpermute_backward(grad, inp, row_id_map, merging_probs, ctx.capacity, pad_offsets)
+        dinp, dprobs = impl.unpermute_backward(grad, inp, row_id_map, merging_probs, ctx.capacity, pad_offsets)
         return dinp, dprobs.to(merging_probs.dtype), None, None, None
 
 
@@ -180,11 +160,7 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
                                           or tuple(tokens_per_expert.shape) != (num_experts,)):
         raise ValueError(f"tokens_per_expert must be a [num_experts={num_experts}] tensor")
     kernel = use_triton(backend, x, op)
-    if kernel:
-        from ..kernels import permute as impl
-    else:
-        impl = ref
-    row_id_map, counts, pad_offsets, padded = impl.routing_layout(routing_map, max(align_size or 1, 1))
+    row_id_map, counts, pad_offsets, padded = implementation(kernel, "permute").routing_layout(routing_map, max(align_size or 1, 1))
     if tokens_per_expert is not None:
         _check_on_device((tokens_per_expert.to(counts.device, torch.int64) == counts).all(),
                          f"{op}: tokens_per_expert differs from routing_map.sum(0)")

@@ -13,9 +13,8 @@ import torch
 
 from ..layout import MSplits, check_m_splits
 from ..recipe import BLOCKS, FP8_DTYPES, HIGH_PRECISION_DTYPES, check_amax_epsilon
-from ..reference import quantize as ref
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .backend import use_triton
+from .backend import implementation, use_triton
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,11 +70,7 @@ def check_quantize_input(x, name: str = "x") -> torch.Tensor:
 
 def quantize_2d(x2d: torch.Tensor, args: QuantizeArgs, m_splits: MSplits = None) -> dict:
     """Quantize a checked ``[M, K]`` tensor; return the Float8BlockwiseQTensor components."""
-    kernel = use_triton(args.backend, x2d, "quantize_blockwise")
-    if kernel:
-        from ..kernels import quantize as impl
-    else:
-        impl = ref
+    impl = implementation(use_triton(args.backend, x2d, "quantize_blockwise"), "quantize")
     common = (args.fp8_dtype, args.pow2_scales, args.amax_epsilon)
     out = {}
     if args.block == "128x128":

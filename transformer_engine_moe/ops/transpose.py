@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 
 from ..layout import MSplits, check_m_splits
-from ..reference import transpose as ref
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .backend import use_triton
+from .backend import implementation, use_triton
 
 
 def _check_input(t) -> None:
@@ -64,12 +63,8 @@ class _Transpose(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, m_splits, kernel: bool):
-        if kernel:
-            from ..kernels import transpose as kt
-
-            data_t, scale_t = kt.scaling_aware_transpose(t.rowwise_data, t.rowwise_scale_inv, m_splits)
-        else:
-            data_t, scale_t = ref.scaling_aware_transpose(t.rowwise_data, t.rowwise_scale_inv, m_splits)
+        impl = implementation(kernel, "transpose")
+        data_t, scale_t = impl.scaling_aware_transpose(t.rowwise_data, t.rowwise_scale_inv, m_splits)
         return t._make_like(columnwise_data=data_t, columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
 
     @staticmethod
