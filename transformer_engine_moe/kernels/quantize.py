@@ -51,6 +51,17 @@ def abs_no_nan(x):
 
 
 @triton.jit
+def quantize_1x128_tile(x, eps, value_for_inf, BLOCK_M: tl.constexpr, K_BLOCKS: tl.constexpr,
+                        FP8_MAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
+                        SOFTWARE_CAST: tl.constexpr):
+    """Float32 tile [BLOCK_M, K_BLOCKS*128] -> (FP8 codes uint8, scale_inv [BLOCK_M, K_BLOCKS]) per 1x128 block."""
+    x3 = tl.reshape(x, (BLOCK_M, K_BLOCKS, 128))
+    scale, scale_inv = compute_scale(tl.max(abs_no_nan(x3), axis=2), eps, value_for_inf, FP8_MAX, POW2)
+    v = tl.reshape(x3 * scale[:, :, None], (BLOCK_M, K_BLOCKS * 128))
+    return float_to_fp8_bits(v, FP8_MAX, E5M2, SOFTWARE_CAST), scale_inv
+
+
+@triton.jit
 def _quantize_1x128_kernel(
     x_ptr, q_ptr, s_ptr,
     M, K, stride_xm, num_kb,
@@ -68,12 +79,9 @@ def _quantize_1x128_kernel(
     mask = row_ok[:, None] & (cols < K)[None, :]
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-    x = to_float(x, SOFTWARE_CAST)
-    amax = tl.max(tl.reshape(abs_no_nan(x), (BLOCK_M, K_BLOCKS, 128)), axis=2)
-    scale, scale_inv = compute_scale(amax, eps, value_for_inf, FP8_MAX, POW2)
-    v = tl.reshape(tl.reshape(x, (BLOCK_M, K_BLOCKS, 128)) * scale[:, :, None], (BLOCK_M, BLOCK_K))
-    tl.store(q_ptr + rows64[:, None] * K + cols[None, :], float_to_fp8_bits(v, FP8_MAX, E5M2, SOFTWARE_CAST),
-             mask=mask)
+    q, scale_inv = quantize_1x128_tile(to_float(x, SOFTWARE_CAST), eps, value_for_inf, BLOCK_M, K_BLOCKS,
+                                       FP8_MAX, E5M2, POW2, SOFTWARE_CAST)
+    tl.store(q_ptr + rows64[:, None] * K + cols[None, :], q, mask=mask)
     kb = pid_k * K_BLOCKS + tl.arange(0, K_BLOCKS)
     tl.store(s_ptr + rows64[:, None] * num_kb + kb[None, :], scale_inv,
              mask=row_ok[:, None] & (kb[None, :] < num_kb))

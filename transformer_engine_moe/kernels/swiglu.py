@@ -15,8 +15,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..recipe import BLOCK_SIZE, fp8_max, scale_value_for_inf
-from .casts import cast_for_store, float_to_fp8_bits, to_float
-from .quantize import compute_scale
+from .casts import cast_for_store, to_float
+from .quantize import quantize_1x128_tile
 
 # Launch shapes (BLOCK_M, K_BLOCKS, num_warps), from benchmarks/bench_swiglu.py's sweep.
 FORWARD_CONFIG = (8, 1, 2)
@@ -35,14 +35,8 @@ def _one_plus_exp_neg(a, SOFTWARE_CAST: tl.constexpr):
 @triton.jit
 def _quantize_blocks(v, BLOCK_M: tl.constexpr, K_BLOCKS: tl.constexpr, FP8_MAX: tl.constexpr,
                      E5M2: tl.constexpr, POW2: tl.constexpr, SOFTWARE_CAST: tl.constexpr, value_for_inf):
-    """[BLOCK_M, K_BLOCKS*128] float32 -> (FP8 codes, scale_inv [BLOCK_M, K_BLOCKS]) per 1x128 block;
-    +-inf stays non-finite (E4M3: NaN byte, E5M2: +-inf)."""
-    v3 = tl.reshape(v, (BLOCK_M, K_BLOCKS, 128))
-    a = tl.abs(v3)
-    amax = tl.max(tl.where(a != a, 0.0, a), axis=2)
-    scale, scale_inv = compute_scale(amax, 0.0, value_for_inf, FP8_MAX, POW2)
-    q = float_to_fp8_bits(tl.reshape(v3 * scale[:, :, None], (BLOCK_M, K_BLOCKS * 128)), FP8_MAX, E5M2,
-                          SOFTWARE_CAST)
+    """``quantize_1x128_tile`` of float32 ``v`` with +-inf kept non-finite (E4M3: NaN byte, E5M2: +-inf)."""
+    q, scale_inv = quantize_1x128_tile(v, 0.0, value_for_inf, BLOCK_M, K_BLOCKS, FP8_MAX, E5M2, POW2, SOFTWARE_CAST)
     if E5M2:
         inf_code = tl.where(v > 0, 0x7C, 0xFC)
     else:
