@@ -113,9 +113,12 @@ def test_non_finite_values_propagate(recipe):
     x[1, 7] = float("nan")
     x[2, 128 + 9] = -float("inf")  # b = -inf: y = -inf
     for backend in ("triton", "reference"):
-        y = weighted_swiglu_quant(x, probs, recipe, backend=backend).dequantize()
+        out = weighted_swiglu_quant(x, probs, recipe, backend=backend)
+        y = out.dequantize()
         assert not torch.isfinite(y[0, 5]) and torch.isnan(y[1, 7]) and not torch.isfinite(y[2, 9])
         assert torch.isfinite(y[3]).all()
+        # blocks holding +-inf are marked by a NaN scale_inv; the NaN row keeps a finite scale
+        assert torch.isnan(out.rowwise_scale_inv[[0, 2], 0]).all() and torch.isfinite(out.rowwise_scale_inv[[1, 3]]).all()
 
 
 @pytest.mark.parametrize(

@@ -53,10 +53,16 @@ def abs_no_nan(x):
 @triton.jit
 def quantize_1x128_tile(x, eps, value_for_inf, BLOCK_M: tl.constexpr, K_BLOCKS: tl.constexpr,
                         FP8_MAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
-                        SOFTWARE_CAST: tl.constexpr):
-    """Float32 tile [BLOCK_M, K_BLOCKS*128] -> (FP8 codes uint8, scale_inv [BLOCK_M, K_BLOCKS]) per 1x128 block."""
+                        SOFTWARE_CAST: tl.constexpr, INF_BLOCKS_NAN: tl.constexpr = False):
+    """Float32 tile [BLOCK_M, K_BLOCKS*128] -> (FP8 codes uint8, scale_inv [BLOCK_M, K_BLOCKS]) per 1x128 block.
+
+    ``INF_BLOCKS_NAN``: a block holding +-inf gets a NaN scale_inv (instead of saturating to
+    +-fp8_max with scale 1), so the overflow stays visible after dequantization."""
     x3 = tl.reshape(x, (BLOCK_M, K_BLOCKS, 128))
-    scale, scale_inv = compute_scale(tl.max(abs_no_nan(x3), axis=2), eps, value_for_inf, FP8_MAX, POW2)
+    amax = tl.max(abs_no_nan(x3), axis=2)
+    scale, scale_inv = compute_scale(amax, eps, value_for_inf, FP8_MAX, POW2)
+    if INF_BLOCKS_NAN:
+        scale_inv = tl.where(amax == float("inf"), float("nan"), scale_inv)
     v = tl.reshape(x3 * scale[:, :, None], (BLOCK_M, K_BLOCKS * 128))
     return float_to_fp8_bits(v, FP8_MAX, E5M2, SOFTWARE_CAST), scale_inv
 

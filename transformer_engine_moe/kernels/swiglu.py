@@ -33,19 +33,6 @@ def _one_plus_exp_neg(a, SOFTWARE_CAST: tl.constexpr):
 
 
 @triton.jit
-def _quantize_blocks(v, BLOCK_M: tl.constexpr, K_BLOCKS: tl.constexpr, FP8_MAX: tl.constexpr,
-                     E5M2: tl.constexpr, POW2: tl.constexpr, SOFTWARE_CAST: tl.constexpr, value_for_inf):
-    """``quantize_1x128_tile`` of float32 ``v`` with +-inf kept non-finite (E4M3: NaN byte, E5M2: +-inf)."""
-    q, scale_inv = quantize_1x128_tile(v, 0.0, value_for_inf, BLOCK_M, K_BLOCKS, FP8_MAX, E5M2, POW2, SOFTWARE_CAST)
-    if E5M2:
-        inf_code = tl.where(v > 0, 0x7C, 0xFC)
-    else:
-        inf_code = tl.full(v.shape, 0x7F, tl.int32)
-    q = tl.where(tl.abs(v) == float("inf"), inf_code, q.to(tl.int32)).to(tl.uint8)
-    return q, scale_inv
-
-
-@triton.jit
 def _weighted_swiglu_quant_kernel(
     x_ptr, p_ptr, q_ptr, s_ptr, M, F, num_kb, value_for_inf,
     HAS_PROBS: tl.constexpr, FP8_MAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
@@ -62,7 +49,8 @@ def _weighted_swiglu_quant_kernel(
     y = tl.math.div_rn(a, _one_plus_exp_neg(a, SOFTWARE_CAST)) * b
     if HAS_PROBS:
         y = y * to_float(tl.load(p_ptr + rows, mask=row_ok, other=0.0), SOFTWARE_CAST)[:, None]
-    q, scale_inv = _quantize_blocks(y, BLOCK_M, K_BLOCKS, FP8_MAX, E5M2, POW2, SOFTWARE_CAST, value_for_inf)
+    q, scale_inv = quantize_1x128_tile(y, 0.0, value_for_inf, BLOCK_M, K_BLOCKS, FP8_MAX, E5M2, POW2,
+                                       SOFTWARE_CAST, INF_BLOCKS_NAN=True)
     tl.store(q_ptr + rows[:, None] * F + cols[None, :], q, mask=mask)
     kb = tl.program_id(1) * K_BLOCKS + tl.arange(0, K_BLOCKS)
     tl.store(s_ptr + rows[:, None] * num_kb + kb[None, :], scale_inv, mask=row_ok[:, None] & (kb < num_kb)[None, :])
@@ -103,8 +91,10 @@ def _weighted_swiglu_backward_kernel(
             num_kb = 2 * F // 128
             kb = k0 // 128 + tl.arange(0, K_BLOCKS)
             smask = row_ok[:, None] & (kb < F // 128)[None, :]
-            qa, sa = _quantize_blocks(da, BLOCK_M, K_BLOCKS, FP8_MAX, E5M2, POW2, SOFTWARE_CAST, value_for_inf)
-            qb, sb = _quantize_blocks(db, BLOCK_M, K_BLOCKS, FP8_MAX, E5M2, POW2, SOFTWARE_CAST, value_for_inf)
+            qa, sa = quantize_1x128_tile(da, 0.0, value_for_inf, BLOCK_M, K_BLOCKS, FP8_MAX, E5M2, POW2,
+                                         SOFTWARE_CAST, INF_BLOCKS_NAN=True)
+            qb, sb = quantize_1x128_tile(db, 0.0, value_for_inf, BLOCK_M, K_BLOCKS, FP8_MAX, E5M2, POW2,
+                                         SOFTWARE_CAST, INF_BLOCKS_NAN=True)
             tl.store(dxa, qa, mask=mask)
             tl.store(dxa + F, qb, mask=mask)
             tl.store(dxs_ptr + rows[:, None] * num_kb + kb[None, :], sa, mask=smask)

@@ -15,10 +15,12 @@ One IEEE division: ``a * (1 / (1 + e))`` would round twice. Backward, for
     s = 1 / (1 + e);  silu = a * s;  g = dy * p;  dsilu = s * (1 + a * (1 - s))
     da = (g * b) * dsilu;  db = g * silu;  dp = sum_f (dy * silu) * b
 
-Quantization of ``y`` is ``quantize_1x128`` except that non-finite values stay
-non-finite instead of saturating: +-inf becomes the NaN byte in E4M3 (which has
-no inf) and +-inf in E5M2, so an overflow in the expert is never silently
-clipped to +-fp8_max.
+Quantization of ``y`` is ``quantize_1x128`` except that an overflow is never
+silently clipped to +-fp8_max: a 1x128 block holding +-inf gets a NaN scale_inv
+(its data is what ``quantize_1x128`` writes), so it dequantizes to NaN. The
+next GEMM's output row would be non-finite anyway (inf times the weights);
+marking the block costs one select per block where an element-wise inf code
+cost five operations per element. NaN stays NaN (the NaN byte).
 """
 
 from __future__ import annotations
@@ -44,20 +46,13 @@ def weighted_swiglu(x: torch.Tensor, probs: Optional[torch.Tensor] = None) -> to
     return y * probs.float()[:, None] if probs is not None else y
 
 
-def keep_nonfinite(data: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """FP8 ``data`` with every +-inf of ``y`` written as a non-finite code (E4M3: 0x7F, E5M2: +-inf)."""
-    codes = data.view(torch.uint8)
-    if data.dtype == torch.float8_e5m2:
-        inf = torch.where(y > 0, torch.full_like(codes, 0x7C), torch.full_like(codes, 0xFC))
-    else:
-        inf = torch.full_like(codes, 0x7F)
-    return torch.where(torch.isinf(y), inf, codes).view(data.dtype)
-
-
 def quantize_nonfinite_1x128(y: torch.Tensor, fp8_dtype: torch.dtype, pow2_scales: bool = True):
-    """``quantize_1x128`` of float32 ``y`` keeping +-inf non-finite: ``(data, scale_inv)``."""
+    """``quantize_1x128`` of float32 ``y`` with a NaN scale_inv for every 1x128 block holding +-inf:
+    ``(data, scale_inv)``."""
     data, scale_inv = quantize_1x128(y, fp8_dtype, pow2_scales)
-    return keep_nonfinite(data, y), scale_inv
+    m, f = y.shape
+    has_inf = torch.isinf(y).view(m, f // 128, 128).any(dim=2)
+    return data, torch.where(has_inf, torch.full_like(scale_inv, float("nan")), scale_inv)
 
 
 def weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: Optional[torch.Tensor] = None):
