@@ -14,23 +14,31 @@ import triton.language as tl
 
 
 @triton.jit
+def group_extent(gi, sizes_ptr, num_groups, MAX_GROUPS: tl.constexpr):
+    """Group ``gi``'s first row, row count and first column block."""
+    g = tl.arange(0, MAX_GROUPS)
+    sizes = tl.load(sizes_ptr + g, mask=g < num_groups, other=0)
+    before = g < gi
+    first_row = tl.sum(tl.where(before, sizes, 0), axis=0)
+    first_block = tl.sum(tl.where(before, (sizes + 127) // 128, 0), axis=0)
+    return first_row, tl.sum(tl.where(g == gi, sizes, 0), axis=0), first_block
+
+
+@triton.jit
 def column_block_rows(b, sizes_ptr, num_groups, M, GROUPED: tl.constexpr, MAX_GROUPS: tl.constexpr):
-    """First row and row count of column block ``b``; the count is 0 for an unused block."""
+    """(first row, row count, group) of column block ``b``; the count is 0 for an unused block."""
     if GROUPED:
         g = tl.arange(0, MAX_GROUPS)
         sizes = tl.load(sizes_ptr + g, mask=g < num_groups, other=0)
-        blocks = (sizes + 127) // 128
-        gi = tl.sum((tl.cumsum(blocks, axis=0) <= b).to(tl.int32), axis=0)  # b's group
-        before = g < gi
-        first_row = tl.sum(tl.where(before, sizes, 0), axis=0)
-        first_block = tl.sum(tl.where(before, blocks, 0), axis=0)
-        size = tl.sum(tl.where(g == gi, sizes, 0), axis=0)
+        gi = tl.sum((tl.cumsum((sizes + 127) // 128, axis=0) <= b).to(tl.int32), axis=0)  # b's group
+        first_row, size, first_block = group_extent(gi, sizes_ptr, num_groups, MAX_GROUPS)
         start = first_row + (b - first_block) * 128
         count = tl.maximum(tl.minimum(first_row + size - start, 128), 0)
     else:
+        gi = b * 0
         start = b * 128
         count = tl.minimum(M - start, 128)
-    return start, count
+    return start, count, gi
 
 
 def group_sizes_arg(m_splits, device):

@@ -109,7 +109,7 @@ def _quantize_128x1_kernel(
     """
     b = tl.program_id(0)
     pid_k = tl.program_id(1)
-    start, count = column_block_rows(b, sizes_ptr, num_groups, M, GROUPED, MAX_GROUPS)
+    start, count, _ = column_block_rows(b, sizes_ptr, num_groups, M, GROUPED, MAX_GROUPS)
     if ALIGNED:
         start = tl.multiple_of(start, 16)
     r = tl.arange(0, 128)

@@ -85,7 +85,7 @@ def _column_scales_kernel(
     """Column block ``b`` x KB_TILE 128-column blocks: st[b, k] = the largest row scale_inv of the
     block's rows in k's 128-column block; d[r, kb] = log2(st / s[r, kb]); unused blocks get st = 1."""
     b = tl.program_id(0)
-    start, count = column_block_rows(b, sizes_ptr, num_groups, M, GROUPED, MAX_GROUPS)
+    start, count, _ = column_block_rows(b, sizes_ptr, num_groups, M, GROUPED, MAX_GROUPS)
     r = tl.arange(0, 128)
     kb = tl.program_id(1) * KB_TILE + tl.arange(0, KB_TILE)
     rows = (start + r).to(tl.int64)

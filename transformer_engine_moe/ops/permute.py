@@ -16,16 +16,7 @@ import torch
 
 from ..recipe import HIGH_PRECISION_DTYPES
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .backend import implementation, use_triton
-
-
-def _check_on_device(cond: torch.Tensor, message: str) -> None:
-    """Raise ValueError on CPU; on the GPU a device-side assert (no host sync), loud all the same."""
-    if cond.device.type == "cpu":
-        if not bool(cond):
-            raise ValueError(message)
-    else:
-        torch._assert_async(cond, message)
+from .backend import check_on_device, implementation, use_triton
 
 
 def _check_inp(inp, name="inp") -> torch.Tensor:
@@ -162,12 +153,12 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
     kernel = use_triton(backend, x, op)
     row_id_map, counts, pad_offsets, padded = implementation(kernel, "permute").routing_layout(routing_map, max(align_size or 1, 1))
     if tokens_per_expert is not None:
-        _check_on_device((tokens_per_expert.to(counts.device, torch.int64) == counts).all(),
+        check_on_device((tokens_per_expert.to(counts.device, torch.int64) == counts).all(),
                          f"{op}: tokens_per_expert differs from routing_map.sum(0)")
     if num_out_tokens is None:
         num_out_tokens = num_tokens * num_experts  # a mask's worst case: pass num_tokens * topk instead
     else:
-        _check_on_device(counts.sum() <= num_out_tokens,
+        check_on_device(counts.sum() <= num_out_tokens,
                          f"{op}: routing_map routes more than num_out_tokens={num_out_tokens} pairs")
     capacity = num_out_tokens
     if align_size is None:
@@ -283,12 +274,12 @@ def topk_to_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     topk_weights = _check_probs(topk_weights, topk_idx.shape, topk_idx.device, "topk_weights")
     selected = topk_idx >= 0
-    _check_on_device(((topk_idx >= -1) & (topk_idx < num_experts)).all(),
+    check_on_device(((topk_idx >= -1) & (topk_idx < num_experts)).all(),
                      f"topk_idx holds expert ids outside [-1, {num_experts})")
     idx = topk_idx.long().clamp(min=0)
     routing_map = torch.zeros((topk_idx.shape[0], num_experts), dtype=torch.int32, device=topk_idx.device)
     routing_map.scatter_add_(1, idx, selected.int())
-    _check_on_device((routing_map <= 1).all(), "topk_idx selects an expert twice for one token")
+    check_on_device((routing_map <= 1).all(), "topk_idx selects an expert twice for one token")
     probs = torch.zeros((topk_idx.shape[0], num_experts), dtype=topk_weights.dtype, device=topk_idx.device)
     probs = probs.scatter_add(1, idx, torch.where(selected, topk_weights, torch.zeros_like(topk_weights)))
     return routing_map > 0, probs

@@ -1,0 +1,179 @@
+"""GroupedLinear: forward and gradients vs float32 math on the dequantized operands and vs BF16 nn.Linear per
+expert; FP8 input; zero-row experts; list vs tensor splits; main_grad fusion; cache; bad inputs; GPU sync."""
+
+import pytest
+import torch
+
+from conftest import CUDA, KERNEL_DEVICE, assert_no_host_sync, requires_cuda
+from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise
+from transformer_engine_moe.module import GroupedLinear
+
+BACKENDS = ["reference", "triton"] + (["cublas"] if CUDA else [])
+
+
+def relerr(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def setup(splits, k=256, n=128, backend="triton", device=KERNEL_DEVICE, **kw):
+    gl = GroupedLinear(len(splits), k, n, backend=backend, device=device, **kw)
+    x = torch.randn(sum(splits), k, device=device, dtype=torch.bfloat16)
+    return gl, x
+
+
+def fp8_math(gl, x, dy, splits):
+    """Float32 on the dequantized FP8 operands the module uses (its own quantizations), rounded to BF16."""
+    q = lambda t, **kw: quantize_blockwise(t, **kw).dequantize()
+    xq, dyq = q(x), q(dy, fp8_dtype=gl.recipe.fp8_dtype(__import__("transformer_engine_moe").Role.GRAD))
+    w = [q(wi.detach().float(), block="128x128") for wi in gl.weights]
+    y, dx, dw, lo = [], [], [], 0
+    for g, s in enumerate(splits):
+        y.append(xq[lo:lo + s] @ w[g].t())
+        dx.append(dyq[lo:lo + s] @ w[g])
+        dw.append(dyq[lo:lo + s].t() @ xq[lo:lo + s])
+        lo += s
+    return torch.cat(y).bfloat16(), torch.cat(dx).bfloat16(), [d.bfloat16() for d in dw]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("splits", [[100, 0, 156], [256, 0, 0], [512, 512, 0]], ids=str)
+def test_matches_fp32_on_dequantized_operands(backend, splits):
+    """Relative error <= 1e-2 against BF16-rounded float32 math on the same FP8 operands: what is left is
+    BF16 output rounding (2^-9) and, for wgrad, the 128x1 requantization of the scaling-aware transpose
+    (exact unless values underflow)."""
+    if backend == "cublas" and any(s % 512 for s in splits):
+        pytest.skip("cuBLAS wgrad needs 512-multiple groups")
+    size = 512 if backend == "cublas" else 256  # cuBLAS: reductions in multiples of 512
+    gl, x = setup(splits, k=size, n=size, backend=backend)
+    x.requires_grad_()
+    y = gl(x, splits)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    ry, rdx, rdw = fp8_math(gl, x.detach(), dy, splits)
+    assert relerr(y, ry) < 1e-2 and relerr(x.grad, rdx) < 1e-2
+    for g, s in enumerate(splits):
+        if s:
+            assert relerr(gl.weights[g].grad, rdw[g]) < 1e-2
+        else:
+            assert (gl.weights[g].grad == 0).all()
+
+
+@pytest.mark.parametrize("recipe,tol", [(FP8FlowRecipe(), 4e-2), (FP8FlowRecipe(fp8_format=Format.HYBRID), 8e-2)],
+                         ids=["e4m3", "hybrid"])
+def test_close_to_bf16_linear_per_expert(recipe, tol):
+    """FP8 quantization error: E4M3 steps of 2^-4 give ~3e-2 relative error on outputs and gradients
+    (HYBRID's E5M2 gradients, 2^-3 steps, about twice that)."""
+    splits = [200, 56, 0, 256]
+    gl, x = setup(splits, recipe=recipe)
+    x.requires_grad_()
+    xr = x.detach().clone().requires_grad_()
+    y = gl(x, splits)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    wr = [w.detach().clone().requires_grad_() for w in gl.weights]
+    ref = torch.cat([torch.nn.functional.linear(p, w) for p, w in zip(xr.split(splits), wr)])
+    ref.backward(dy)
+    assert relerr(y, ref) < tol and relerr(x.grad, xr.grad) < tol
+    assert all(relerr(w.grad, r.grad) < tol for w, r, s in zip(gl.weights, wr, splits) if s)
+
+
+def test_fp8_input_list_and_tensor_splits_and_bias():
+    splits = [100, 0, 156]
+    gl, x = setup(splits, bias=True)
+    xq = quantize_blockwise(x)
+    a = gl(xq, splits)
+    b = gl(xq, torch.tensor(splits, device=KERNEL_DEVICE))
+    c = gl(x, splits)  # BF16 input quantized inside: the same FP8 operand
+    assert torch.equal(a, b) and torch.equal(a, c)
+    with torch.no_grad():
+        gl.bias2.fill_(1.0)
+    assert torch.allclose(gl(xq, splits)[100:].float(), a[100:].float() + 1, atol=1e-2, rtol=1e-2)
+    x.requires_grad_()
+    gl(x, splits).sum().backward()
+    assert torch.equal(gl.bias0.grad, torch.full_like(gl.bias0, 100)) and (gl.bias1.grad == 0).all()
+
+
+def test_main_grad_accumulation_and_weight_cache():
+    splits = [128, 128]
+    gl, x = setup(splits, fuse_wgrad_accumulation=True)
+    for w in gl.weights:
+        w.main_grad = torch.ones(w.shape, dtype=torch.float32, device=w.device)
+    ref_gl = GroupedLinear(2, 256, 128, device=KERNEL_DEVICE)
+    ref_gl.load_state_dict(gl.state_dict())
+    dy = torch.randn(256, 128, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    gl(x, splits).backward(dy)
+    ref_gl(x, splits).backward(dy)
+    for w, r in zip(gl.weights, ref_gl.weights):
+        assert w.grad is None and w.grad_added_to_main_grad
+        assert relerr(w.main_grad - 1, r.grad) < 1e-2
+    cached = gl.fp8_weights()
+    assert gl.fp8_weights()[0] is cached[0]
+    with torch.no_grad():
+        gl.weight1.mul_(2)
+    assert gl.fp8_weights()[0] is not cached[0]
+
+
+def test_checkpoint_gives_same_gradients():
+    splits = [64, 192]
+    gl, x = setup(splits)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    gl(x1, splits).sum().backward()
+    g1 = [w.grad.clone() for w in gl.weights]
+    gl.zero_grad()
+    torch.utils.checkpoint.checkpoint(gl, x2, splits, use_reentrant=False).sum().backward()
+    assert torch.equal(x1.grad, x2.grad) and all(torch.equal(a, w.grad) for a, w in zip(g1, gl.weights))
+
+
+def test_parameter_names_follow_transformer_engine():
+    gl = GroupedLinear(3, 128, 256, bias=True)
+    assert [n for n, _ in gl.named_parameters()] == ["weight0", "bias0", "weight1", "bias1", "weight2", "bias2"]
+    assert gl.weight0.shape == (256, 128)
+
+
+@pytest.mark.parametrize(
+    "make,call,exc,match",
+    [
+        (lambda: GroupedLinear(2, 200, 128), None, ValueError, "multiples of 128"),
+        (lambda: GroupedLinear(0, 128, 128), None, ValueError, "num_gemms must be a positive int"),
+        (lambda: GroupedLinear(2, 128, 128, params_dtype=torch.float16), None, TypeError, "params_dtype"),
+        (None, lambda gl: gl(torch.randn(4, 256), [2, 2]), ValueError, r"in_features=128\], got \[4, 256\]"),
+        (None, lambda gl: gl(torch.randn(4, 128), [3, 2]), ValueError, "sum to M=4"),
+        (None, lambda gl: gl(torch.randn(4, 128), [5, -1]), ValueError, ">= 0"),
+        (None, lambda gl: gl(torch.ones(4, 128, dtype=torch.int32), [2, 2]), TypeError, "bf16/fp16/fp32"),
+        (None, lambda gl: gl(torch.randn(4, 128), [4]), ValueError, "1 groups but the weight has 2 experts"),
+    ],
+    ids=["features", "num-gemms", "params-dtype", "in-features", "sum", "negative", "dtype", "groups"],
+)
+def test_bad_input_is_rejected_clearly(make, call, exc, match):
+    with pytest.raises(exc, match=match):
+        gl = make() if make else GroupedLinear(2, 128, 128)
+        call(gl)
+
+
+@requires_cuda
+def test_gpu_deepseek_shapes_and_no_host_sync():
+    """fc1 of DeepSeek-V3 (7168 -> 2*2048, 8 experts, 16384 tokens): device-tensor splits run forward and
+    backward without a host sync (Triton path); results match the host-list (cuBLAS) path."""
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.multinomial(torch.ones(8), 16384, replacement=True, generator=gen).bincount(minlength=8)
+    splits = (counts // 512 * 512).tolist()
+    splits[-1] += 16384 - sum(splits)
+    gl = GroupedLinear(8, 7168, 4096, device="cuda")
+    x = torch.randn(16384, 7168, device="cuda", dtype=torch.bfloat16)
+    st = torch.tensor(splits, device="cuda")
+    xq = quantize_blockwise(x)
+    dy = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        xi = x.clone().requires_grad_()
+        gl(xi, st).backward(dy)
+        return xi.grad
+
+    assert_no_host_sync(step)
+    dx_t, dw_t = step(), [w.grad.clone() for w in gl.weights]
+    gl.zero_grad()
+    xi = x.clone().requires_grad_()
+    y_c = gl(xi, splits)
+    y_c.backward(dy)
+    assert relerr(gl(xq, st), y_c) < 1e-2 and relerr(dx_t, xi.grad) < 1e-2
+    assert all(relerr(a / 3, b) < 1e-2 for a, b in zip(dw_t, [w.grad for w in gl.weights]))

@@ -1,0 +1,163 @@
+"""grouped_gemm / grouped_gemm_wgrad: Triton kernels (interpreter on CPU) and cuBLAS (GPU) vs the float32
+reference on dequantized operands; ragged and empty groups; list vs tensor splits; bad inputs."""
+
+import pytest
+import torch
+
+from conftest import CUDA, KERNEL_DEVICE, requires_cuda
+from transformer_engine_moe import quantize_blockwise, scaling_aware_transpose
+from transformer_engine_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# Kernel vs reference, float32 output: the same exact FP8 products summed in another order. On Hopper the
+# FP8 tensor cores keep a reduced-precision accumulator inside each 128-wide block (~14 bits, DeepSeek-V3
+# report), hence the looser GPU bound; under the interpreter the products are summed in float32.
+TOL = 2e-3 if CUDA else 1e-5
+
+
+def relerr(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def weights(g, n, k, device=KERNEL_DEVICE):
+    w = torch.randn(g * n, k, device=device) * 0.05
+    return quantize_blockwise(w, "128x128").view(g, n, k)
+
+
+def act(m, k, fp8=E4M3, device=KERNEL_DEVICE):
+    return quantize_blockwise(torch.randn(m, k, device=device), fp8_dtype=fp8)
+
+
+SPLITS = [[0, 130, 0, 70], [64, 64, 64, 64], [256, 0, 0, 0], [1, 2, 3, 250]]
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=str)
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_fprop_and_dgrad_match_reference(splits, as_tensor):
+    m, n, k = sum(splits), 256, 384
+    w, x = weights(4, n, k), act(m, k)
+    ms = torch.tensor(splits, device=KERNEL_DEVICE) if as_tensor else splits
+    out = grouped_gemm(x, w, ms, out_dtype=torch.float32, backend="triton")
+    ref = grouped_gemm(x, w, splits, out_dtype=torch.float32, backend="reference")
+    assert out.shape == (m, n) and relerr(out, ref) < TOL
+    lo = 0
+    for g, s in enumerate(splits):  # each group used its own expert: independent check of the reference
+        want = x.dequantize()[lo:lo + s] @ w.dequantize()[g].t()
+        assert relerr(ref[lo:lo + s], want) < 1e-5 if s else True
+        lo += s
+    dy = act(m, n, E5M2)
+    dgrad = grouped_gemm(dy, transpose_grouped_weight(w), ms, out_dtype=torch.float32, backend="triton")
+    assert relerr(dgrad, grouped_gemm(dy, transpose_grouped_weight(w), splits, out_dtype=torch.float32,
+                                      backend="reference")) < TOL
+
+
+def test_bf16_output_and_list_tensor_splits_identical():
+    splits = [100, 0, 156]
+    w, x = weights(3, 128, 256), act(256, 256)
+    a = grouped_gemm(x, w, splits, backend="triton")
+    b = grouped_gemm(x, w, torch.tensor(splits, device=KERNEL_DEVICE), backend="triton")
+    assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("splits", SPLITS, ids=str)
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_wgrad_matches_reference_and_accumulates(splits, as_tensor):
+    m, n, k = sum(splits), 128, 256
+    ms = torch.tensor(splits, device=KERNEL_DEVICE) if as_tensor else splits
+    dy = scaling_aware_transpose(act(m, n, E5M2), ms)
+    x = scaling_aware_transpose(act(m, k), ms)
+    ref = grouped_gemm_wgrad(dy, x, ms, backend="reference")
+    out = grouped_gemm_wgrad(dy, x, ms, backend="triton")
+    assert out.shape == (4, n, k) and relerr(out, ref) < TOL
+    for g, s in enumerate(splits):
+        if s == 0:
+            assert (out[g] == 0).all()
+    main_grad = torch.ones(4, n, k, device=KERNEL_DEVICE)
+    grouped_gemm_wgrad(dy, x, ms, out=main_grad, accumulate=True, backend="triton")
+    assert relerr(main_grad - 1, ref) < TOL
+
+
+def test_empty_input():
+    w = weights(2, 128, 128)
+    assert grouped_gemm(act(0, 128), w, [0, 0], backend="triton").shape == (0, 128)
+    e = scaling_aware_transpose(act(0, 128), [0, 0])
+    assert (grouped_gemm_wgrad(e, e, [0, 0], backend="triton") == 0).all()
+
+
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda x, w: grouped_gemm(x, w, [100, 100]), ValueError, r"sum to M=256"),
+        (lambda x, w: grouped_gemm(x, w, [256, 0, 0]), ValueError, r"3 groups but the weight has 2 experts"),
+        (lambda x, w: grouped_gemm(x, w, [300, -44]), ValueError, r">= 0"),
+        (lambda x, w: grouped_gemm(x, w, None), ValueError, r"m_splits is required"),
+        (lambda x, w: grouped_gemm(act(256, 384), w, [128, 128]), ValueError, r"384 features but weight expects K=256"),
+        (lambda x, w: grouped_gemm(x.dequantize(), w, [128, 128]), TypeError, r"inp must be a Float8BlockwiseQTensor"),
+        (lambda x, w: grouped_gemm(x, w.dequantize(), [128, 128]), TypeError, r"weight must be a Float8Blockwise"),
+        (lambda x, w: grouped_gemm(x, x, [128, 128]), ValueError, r"128x128-scaled rowwise \[G, N, K\]"),
+        (lambda x, w: grouped_gemm(x, w, [128, 128], out_dtype=torch.int32), TypeError, r"out_dtype"),
+        (lambda x, w: grouped_gemm(x, w, [128, 128], backend="cutlass"), ValueError, r"backend must be one of"),
+        (lambda x, w: grouped_gemm_wgrad(x, x, [128, 128]), ValueError, r"no columnwise data"),
+        (lambda x, w: grouped_gemm_wgrad(scaling_aware_transpose(x, [128, 128]), scaling_aware_transpose(x, [256]),
+                                         [128, 128]), ValueError, r"inp's columnwise copy is grouped by \[256\]"),
+        (lambda x, w: grouped_gemm_wgrad(*[scaling_aware_transpose(x, [128, 128])] * 2, [128, 128],
+                                         out=torch.zeros(2, 256, 255)), ValueError, r"out must be .*\[2, 256, 256\]"),
+    ],
+    ids=["sum", "groups", "negative", "none", "features", "bf16-inp", "bf16-weight", "1x128-weight",
+         "out-dtype", "backend", "no-columnwise", "other-splits", "out-shape"],
+)
+def test_bad_input_is_rejected_clearly(call, exc, match):
+    x, w = act(256, 256, device="cpu"), weights(2, 256, 256, device="cpu")
+    with pytest.raises(exc, match=match):
+        call(x, w)
+
+
+def test_cublas_backend_refuses_what_it_cannot_do():
+    x, w = act(256, 256, device="cpu"), weights(2, 256, 256, device="cpu")
+    with pytest.raises(ValueError, match="backend='cublas' needs CUDA"):
+        grouped_gemm(x, w, [128, 128], backend="cublas")
+
+
+@requires_cuda
+@pytest.mark.parametrize("e,m,n,k", [(8, 65536, 4096, 7168), (32, 32768, 7168, 2048)])
+def test_gpu_deepseek_shapes_all_backends(e, m, n, k):
+    """DeepSeek-V3 expert shapes: fc1 (7168 -> 2*2048) and fc2 (2048 -> 7168), ragged splits."""
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.multinomial(torch.ones(e), m, replacement=True, generator=gen).bincount(minlength=e)
+    splits = (counts // 512 * 512).tolist()  # cuBLAS's wgrad takes groups of 512-multiples
+    splits[0] = 0
+    splits[-1] += m - sum(splits)
+    ragged = counts.tolist()  # Triton only
+    w, x, dy = weights(e, n, k, "cuda"), act(m, k, device="cuda"), act(m, n, device="cuda")
+    ref = grouped_gemm(x, w, splits, out_dtype=torch.float32, backend="reference")
+    ms = torch.tensor(splits, device="cuda")
+    for backend, s in (("triton", ms), ("cublas", splits), ("auto", splits)):
+        assert relerr(grouped_gemm(x, w, s, out_dtype=torch.float32, backend=backend), ref) < TOL
+    wt = transpose_grouped_weight(w)
+    ref = grouped_gemm(dy, wt, splits, out_dtype=torch.float32, backend="reference")
+    for backend, s in (("triton", ms), ("cublas", splits)):
+        assert relerr(grouped_gemm(dy, wt, s, out_dtype=torch.float32, backend=backend), ref) < TOL
+    for s in (splits, ragged):
+        dyt, xt = scaling_aware_transpose(dy, s), scaling_aware_transpose(x, s)
+        ref = grouped_gemm_wgrad(dyt, xt, s, backend="reference")
+        st = torch.tensor(s, device="cuda")
+        out = grouped_gemm_wgrad(scaling_aware_transpose(dy, st), scaling_aware_transpose(x, st), st, backend="triton")
+        assert relerr(out, ref) < TOL
+        if s is splits:
+            assert relerr(grouped_gemm_wgrad(dyt, xt, s, backend="cublas"), ref) < TOL
+        else:
+            with pytest.raises(ValueError, match="multiple of 512 rows"):
+                grouped_gemm_wgrad(dyt, xt, s, backend="cublas")
+    rt = torch.tensor(ragged, device="cuda")
+    assert relerr(grouped_gemm(x, w, rt, out_dtype=torch.float32, backend="triton"),
+                  grouped_gemm(x, w, ragged, out_dtype=torch.float32, backend="reference")) < TOL
+
+
+@requires_cuda
+def test_gpu_cublas_pitfall_is_guarded():
+    """K/128 not a multiple of 4 (K=2176): torch 2.11's cuBLAS is silently wrong; 'auto' takes Triton."""
+    w, x = weights(2, 256, 2176, "cuda"), act(512, 2176, device="cuda")
+    with pytest.raises(ValueError, match="multiple of 512"):
+        grouped_gemm(x, w, [256, 256], backend="cublas")
+    ref = grouped_gemm(x, w, [256, 256], out_dtype=torch.float32, backend="reference")
+    assert relerr(grouped_gemm(x, w, [256, 256], out_dtype=torch.float32), ref) < TOL

@@ -1,0 +1,80 @@
+"""Grouped blockwise-FP8 GEMMs as one cuBLAS ``torch._scaled_mm`` per non-empty expert (Hopper).
+
+For splits already on the host (DeepEP returns them as a list): no sync, one
+launch per expert. Same signatures as ``kernels/grouped_gemm.py``; layouts
+(checked on an H100/H200 with torch 2.11, see ``../shared/NOTES.md``):
+
+- fprop ``A_e [m, K] @ W_e^T``: ``scale_a`` = the 1x128 scales as a column-major
+  ``[m, K/128]``, ``b = W_e.t()``, ``scale_b = S_e.t()`` (128x128 scales).
+- dgrad ``dY_e [m, N] @ W_e``: cuBLAS wants B column-major, so ``b`` is the
+  transposed weight ``W_e^T [K, N]`` made by the caller (``weight_t``), ``.t()``.
+- wgrad ``dY_e^T [N, m] @ X_e [m, K]`` from the columnwise copies: ``a = dY^T[:, rows]``
+  (row stride M), ``b = X^T[:, rows].t()``; the block-major 128x1 scales are
+  already the layouts cuBLAS wants. Needs each group's m a multiple of 128 (no
+  partial 1x128 block along cuBLAS's reduction) and its first row 16-byte aligned.
+
+cuBLAS blockwise in torch 2.11 gives silently wrong results when the reduction
+has a number of 128-blocks that is not a multiple of 4 (NOTES.md): ``supports``
+says which calls are safe and the op falls back to Triton otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def supports(reduction: int, m_splits) -> bool:
+    """Whether the cuBLAS path is correct for a reduction dim of ``reduction`` over groups ``m_splits``."""
+    return isinstance(m_splits, (list, tuple)) and reduction % 512 == 0
+
+
+def supports_wgrad(m_splits) -> bool:
+    """Whether the cuBLAS wgrad is correct: host splits, each a multiple of 512 (128-blocks in fours)."""
+    return isinstance(m_splits, (list, tuple)) and all(s % 512 == 0 for s in m_splits)
+
+
+def _col_major(s: torch.Tensor) -> torch.Tensor:
+    return s.t().contiguous().t()
+
+
+def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, trans_b: bool, out_dtype=torch.bfloat16, config=None):
+    """As ``kernels.grouped_gemm.grouped_gemm``; for ``trans_b=False`` pass ``b`` as the transposed
+    weights ``[G, N, R]`` (contiguous) with their scales ``[G, N/128, R/128]`` and ``trans_b=True``."""
+    if not trans_b:
+        raise ValueError("the cuBLAS path needs K-major weights: pass the transposed weights with trans_b=True")
+    m, n = a.shape[0], b.shape[1]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    lo = 0
+    for g, size in enumerate(m_splits):
+        if size:
+            torch.ops.aten._scaled_mm.out(
+                a[lo:lo + size], b[g].t(), _col_major(a_scale_inv[lo:lo + size]), b_scale_inv[g].t(),
+                out_dtype=out_dtype, out=c[lo:lo + size],
+            )
+        lo += size
+    return c
+
+
+def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
+                       aligned=False, config=None):
+    """As ``kernels.grouped_gemm.grouped_gemm_wgrad`` (groups of 512-multiple sizes, host list)."""
+    n, k = a_t.shape[0], b_t.shape[0]
+    if out is None:
+        out = torch.empty((len(m_splits), n, k), dtype=torch.float32, device=a_t.device)
+    lo = blk = 0
+    for g, size in enumerate(m_splits):
+        nb = size // 128
+        if size:
+            c = torch._scaled_mm(
+                a_t[:, lo:lo + size], b_t[:, lo:lo + size].t(), a_t_scale_inv[blk:blk + nb].t(),
+                b_t_scale_inv[blk:blk + nb], out_dtype=torch.float32,
+            )
+            if accumulate:
+                out[g] += c
+            else:
+                out[g].copy_(c)
+        elif not accumulate:
+            out[g].zero_()
+        lo += size
+        blk += nb
+    return out

@@ -1,0 +1,173 @@
+"""GroupedLinear: G expert linears over the row ranges of one input, in blockwise FP8.
+
+Shaped after TransformerEngine's ``GroupedLinear`` (``weight0..weight{G-1}``, each
+``[out_features, in_features]``; ``forward(inp, m_splits)``), but its input may be
+the ``Float8BlockwiseQTensor`` flowing from permute or from SwiGLU+quant: it is
+used as is, never dequantized. Per step:
+
+- forward: weights quantized 128x128 once and cached until any weight changes
+  (parameter versions); ``out = grouped_gemm(inp, W)`` in BF16 (or the weights'
+  dtype). Saved for backward: the FP8 input (rowwise) and the FP8 weights.
+- backward: the output gradient is quantized 1x128 (E4M3, or E5M2 for the HYBRID
+  recipe); dgrad ``dX = dY @ W_g`` through the per-expert transposed FP8 weights
+  (the same quantization, a byte transpose); wgrad ``dW_g = dY_g^T X_g`` from the
+  scaling-aware transposes of dY and of the saved FP8 input. With
+  ``fuse_wgrad_accumulation``, wgrad is added into each weight's ``main_grad``
+  (Megatron) and the weight's ``.grad`` is not produced.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from ..layout import MSplits
+from ..ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
+from ..ops.quantize import QuantizeArgs, quantize_with_args
+from ..ops.transpose import scaling_aware_transpose
+from ..recipe import FP8FlowRecipe, Role
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+
+
+def _bias_rows(bias: torch.Tensor, m_splits: MSplits, m: int) -> torch.Tensor:
+    """``[M, N]``: each row's group bias (no host sync for device splits)."""
+    sizes = torch.as_tensor(m_splits, device=bias.device)
+    return torch.repeat_interleave(bias, sizes, dim=0, output_size=m)
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, m_splits, module, weight_fp8, weight_t_fp8, bias, *weights):
+        x = inp if isinstance(inp, Float8BlockwiseQTensor) else quantize_with_args(
+            inp, module._args(Role.INPUT), None)
+        out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
+        if bias is not None:
+            out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
+        ctx.save_for_backward(x.rowwise_data, x.rowwise_scale_inv)  # FP8 only
+        ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.pow2_scales)
+        ctx.weight_t_fp8 = weight_t_fp8
+        ctx.m_splits, ctx.module, ctx.weights = m_splits, module, weights
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        data, scale = ctx.saved_tensors
+        shape, dtype, fp8_dtype, pow2 = ctx.x_meta
+        module, m_splits = ctx.module, ctx.m_splits
+        x = Float8BlockwiseQTensor(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, pow2_scales=pow2,
+                                   rowwise_data=data, rowwise_scale_inv=scale)
+        dy = quantize_with_args(grad_out.contiguous(), module._args(Role.GRAD), None)
+        dgrad = None
+        if ctx.needs_input_grad[0]:
+            dgrad = grouped_gemm(dy, ctx.weight_t_fp8, m_splits, out_dtype=grad_out.dtype,
+                                 backend=module.backend)
+        dweights = [None] * len(ctx.weights)
+        if any(ctx.needs_input_grad[6:]) or module.fuse_wgrad_accumulation:
+            dy_t = scaling_aware_transpose(dy, m_splits)
+            x_t = scaling_aware_transpose(x, m_splits)
+            wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, backend=module.backend)
+            if module.fuse_wgrad_accumulation:
+                torch._foreach_add_([w.main_grad for w in ctx.weights], list(wgrad.unbind(0)))
+                for w in ctx.weights:
+                    w.grad_added_to_main_grad = True
+            else:
+                dweights = [g.to(w.dtype) for g, w in zip(wgrad.unbind(0), ctx.weights)]
+        dbias = None
+        if ctx.has_bias:
+            rows = torch.repeat_interleave(
+                torch.arange(len(ctx.weights), device=grad_out.device),
+                torch.as_tensor(m_splits, device=grad_out.device), output_size=grad_out.shape[0])
+            dbias = torch.zeros((len(ctx.weights), grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
+            dbias = dbias.index_add_(0, rows, grad_out.float()).to(module.bias_dtype)
+        return (dgrad, None, None, None, None, dbias, *dweights)
+
+
+class GroupedLinear(nn.Module):
+    """``num_gemms`` linears ``[in_features] -> [out_features]``, expert g applied to rows of group g.
+
+    Args (as TransformerEngine's ``GroupedLinear``):
+        num_gemms: number of experts G.
+        in_features, out_features: K and N, multiples of 128 (the weights' 128x128 blocks).
+        bias: one ``[out_features]`` bias per expert, named ``bias0..``.
+        params_dtype: master weights' dtype (BF16 or FP32).
+        device: where parameters live.
+        recipe: the ``FP8FlowRecipe`` (E4M3 or HYBRID, power-of-two scales).
+        fuse_wgrad_accumulation: add weight gradients into ``weight{i}.main_grad`` (FP32)
+            instead of producing ``.grad``, as Megatron's gradient-accumulation fusion.
+        backend: ``"auto"``, ``"triton"``, ``"cublas"`` or ``"reference"`` (``ops.grouped_gemm``).
+    """
+
+    def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = False,
+                 params_dtype: torch.dtype = torch.bfloat16, device: Union[str, torch.device, None] = None,
+                 recipe: Optional[FP8FlowRecipe] = None, fuse_wgrad_accumulation: bool = False,
+                 init_method=None, backend: str = "auto"):
+        super().__init__()
+        for name, v in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if in_features % 128 or out_features % 128:
+            raise ValueError(f"in_features and out_features must be multiples of 128 (128x128 weight blocks), "
+                             f"got {in_features} and {out_features}")
+        if params_dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"params_dtype must be torch.bfloat16 or torch.float32, got {params_dtype}")
+        self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
+        self.recipe = recipe or FP8FlowRecipe()
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.backend = backend
+        self.bias_dtype = params_dtype
+        for i in range(num_gemms):
+            w = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
+            (init_method or (lambda t: nn.init.kaiming_uniform_(t, a=5 ** 0.5)))(w)
+            self.register_parameter(f"weight{i}", w)
+            if bias:
+                self.register_parameter(f"bias{i}", nn.Parameter(
+                    torch.zeros(out_features, dtype=params_dtype, device=device)))
+        self.use_bias = bias
+        self._cache_key = None
+        self._cache = None
+
+    def _args(self, role: Role) -> QuantizeArgs:
+        return QuantizeArgs(self.recipe.block(role), self.recipe.fp8_dtype(role), self.recipe.power_2_scales,
+                            self.recipe.amax_epsilon, True, False, "auto")
+
+    @property
+    def weights(self) -> list[nn.Parameter]:
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def fp8_weights(self) -> tuple[Float8BlockwiseQTensor, Float8BlockwiseQTensor]:
+        """``(W [G, N, K], W^T [G, K, N])`` 128x128 FP8, requantized only when a weight changed."""
+        weights = self.weights
+        key = tuple((w.data_ptr(), w._version) for w in weights)
+        if key != self._cache_key:
+            with torch.no_grad():
+                stacked = torch.stack([w.detach() for w in weights]).view(-1, self.in_features)
+                w = quantize_with_args(stacked, self._args(Role.WEIGHT), None)
+                w = w._make_like(shape=(self.num_gemms, self.out_features, self.in_features),
+                                 rowwise_data=w.rowwise_data, rowwise_scale_inv=w.rowwise_scale_inv)
+            self._cache = (w, transpose_grouped_weight(w))
+            self._cache_key = key
+        return self._cache
+
+    def forward(self, inp: Union[torch.Tensor, Float8BlockwiseQTensor], m_splits: Union[Sequence[int], torch.Tensor]):
+        """``inp [M, in_features]`` BF16/FP32 or a rowwise 1x128 Float8BlockwiseQTensor; ``m_splits``
+        per-expert row counts (host list or device int tensor) -> ``[M, out_features]`` in ``inp``'s
+        (logical) dtype."""
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"inp must be a tensor or Float8BlockwiseQTensor, got {type(inp).__name__}")
+        if inp.dim() != 2 or inp.shape[1] != self.in_features:
+            raise ValueError(f"inp must have shape [M, in_features={self.in_features}], got {list(inp.shape)}")
+        if not isinstance(inp, Float8BlockwiseQTensor) and inp.dtype not in (torch.bfloat16, torch.float16,
+                                                                             torch.float32):
+            raise TypeError(f"inp must be bf16/fp16/fp32 or a Float8BlockwiseQTensor, got {inp.dtype}")
+        if isinstance(m_splits, tuple):
+            m_splits = list(m_splits)
+        w, w_t = self.fp8_weights()
+        bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
+        return _GroupedLinearFunction.apply(inp, m_splits, self, w, w_t, bias, *self.weights)
+
+    def extra_repr(self) -> str:
+        return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.use_bias}, recipe={self.recipe}")

@@ -1,0 +1,51 @@
+"""Plain-PyTorch grouped blockwise-FP8 GEMMs: the oracle for ``kernels/grouped_gemm.py`` and the CPU path.
+
+Each operand is dequantized to float32 (its scales are powers of two, so this
+is exact) and multiplied per group in float32; the kernels sum the same
+products in another order (per 128-wide block on the tensor cores), so the two
+agree within float32 rounding of the sum, not bit for bit. Same signatures as
+the kernels. Group ranges come from ``m_splits`` (a device tensor is read back
+to the host here: the reference is not the hot path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quantize import dequantize_1x128, dequantize_128x1, dequantize_128x128
+
+
+def _ranges(m_splits, m: int) -> list[tuple[int, int]]:
+    sizes = [m] if m_splits is None else [int(s) for s in (m_splits.tolist() if isinstance(
+        m_splits, torch.Tensor) else m_splits)]
+    ends = torch.tensor(sizes, dtype=torch.int64).cumsum(0).tolist()
+    return [(e - s, e) for s, e in zip(sizes, ends)]
+
+
+def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, trans_b: bool, out_dtype=torch.bfloat16, config=None):
+    """``C[rows of g] = A[rows of g] @ (B_g^T if trans_b else B_g)`` in float32, cast to ``out_dtype``."""
+    a32 = dequantize_1x128(a, a_scale_inv, torch.float32)
+    n = b.shape[1] if trans_b else b.shape[2]
+    c = torch.zeros((a.shape[0], n), dtype=torch.float32, device=a.device)
+    for g, (lo, hi) in enumerate(_ranges(m_splits, a.shape[0])):
+        if hi > lo:
+            w = dequantize_128x128(b[g], b_scale_inv[g], torch.float32)
+            c[lo:hi] = a32[lo:hi] @ (w.t() if trans_b else w)
+    return c.to(out_dtype)
+
+
+def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
+                       aligned=False, config=None):
+    """``C_g [N, K] = A_g^T B_g`` over group g's rows of the logical ``A [M, N]``, ``B [M, K]`` (float32)."""
+    a32 = dequantize_128x1(a_t, a_t_scale_inv, torch.float32, m_splits)
+    b32 = dequantize_128x1(b_t, b_t_scale_inv, torch.float32, m_splits)
+    ranges = _ranges(m_splits, a_t.shape[1])
+    c = torch.stack([a32[lo:hi].t() @ b32[lo:hi] for lo, hi in ranges]) if ranges else a32.new_zeros(
+        (0, a_t.shape[0], b_t.shape[0]))
+    if out is None:
+        return c
+    if accumulate:
+        out += c
+    else:
+        out.copy_(c)
+    return out
