@@ -1,0 +1,132 @@
+"""ExchangeTokenDispatcher: dispatch/combine and their autograd over three communication primitives.
+
+The primitives are DeepEP's ``Buffer`` calls; ``alltoall`` writes them with
+``torch.distributed.all_to_all_single`` and ``deepep`` maps them onto DeepEP, so everything in
+this file (FP8 packing, the autograd rules, the quantization of combine's gradient) is shared
+and tested through the alltoall backend. Rows travel as ``(data [N, H], scale_inv [N, ceil(H/128)]
+float32 or None)``: FP8 data with its COMPACT 1x128 scales, or BF16 data alone.
+
+Autograd:
+- dispatch backward: a BF16 combine of the received tokens' gradient (summed over ranks in
+  float32, one cast) to ``hidden``'s gradient, straight through to whatever quantized it; the
+  received probs' gradient (float32, 0 on foreign slots) travels back with it to ``[T, k]``.
+- combine backward: a dispatch of the BF16 gradient, quantized to FP8 1x128 first when the
+  forward dispatch carried FP8 (``recipe``'s gradient format; the BF16 baseline sends BF16);
+  the receiver dequantizes it to the BF16 gradient of ``x``.
+Both backward passes reuse the handle's layout: no host sync.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Optional
+
+import torch
+
+from ..quantizer import Float8BlockQuantizer
+from ..recipe import FP8FlowRecipe, Role
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from .base import (
+    DispatchHandle,
+    DispatchResult,
+    Hidden,
+    TokenDispatcher,
+    check_combine_input,
+    check_dispatch_inputs,
+    mask_foreign_slots,
+)
+
+Rows = tuple[torch.Tensor, Optional[torch.Tensor]]
+
+
+class ExchangeTokenDispatcher(TokenDispatcher):
+    """A dispatcher that moves tokens between EP ranks through the three primitives below.
+
+    Args: ``num_experts``, ``ep_size``, ``ep_rank`` as for TokenDispatcher; ``recipe`` fixes the
+    FP8 format combine's backward quantizes gradients to (``Role.GRAD``: E5M2 with
+    ``Format.HYBRID``), in 1x128 blocks.
+    """
+
+    def __init__(self, num_experts: int, ep_size: int, ep_rank: int, recipe: Optional[FP8FlowRecipe] = None):
+        super().__init__(num_experts, ep_size, ep_rank)
+        self.grad_quantizer = Float8BlockQuantizer.from_recipe(recipe or FP8FlowRecipe(), Role.GRAD)
+
+    def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> DispatchResult:
+        check_dispatch_inputs(hidden, topk_ids, topk_probs, self.num_experts)
+        return DispatchResult(*_Dispatch.apply(self, hidden, topk_probs, topk_ids.contiguous()))
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        check_combine_input(x, handle)
+        return _Combine.apply(self, x, handle)
+
+    @abc.abstractmethod
+    def _dispatch(self, rows: Rows, topk_ids: torch.Tensor, topk_probs: torch.Tensor):
+        """Send ``rows`` of T tokens with their top-k to the ranks of their experts.
+
+        Returns ``(rows [R, H] as sent, topk_ids [R, k] local ids or -1, topk_probs [R, k],
+        tokens_per_expert host list, layout)``."""
+
+    @abc.abstractmethod
+    def _dispatch_cached(self, rows: Rows, layout) -> Rows:
+        """Send ``rows`` of T tokens along a previous dispatch's ``layout``; returns ``[R, H]`` rows."""
+
+    @abc.abstractmethod
+    def _combine(self, x: torch.Tensor, layout, probs: Optional[torch.Tensor] = None):
+        """Sum BF16 ``x [R, H]`` (and float32 ``probs [R, k]``) back along ``layout``:
+        ``(out [T, H] BF16, out_probs [T, k] float32 or None)``."""
+
+
+def _fp8_like(data: torch.Tensor, scale_inv: torch.Tensor, like: Float8BlockwiseQTensor) -> Float8BlockwiseQTensor:
+    """Rowwise 1x128 Float8BlockwiseQTensor on received ``data [R, H]`` and ``scale_inv``, formatted as ``like``."""
+    return Float8BlockwiseQTensor(
+        shape=data.shape, dtype=like.dtype, fp8_dtype=like.fp8_dtype, pow2_scales=like.pow2_scales,
+        rowwise_data=data, rowwise_scale_inv=scale_inv,
+    )
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dispatcher: ExchangeTokenDispatcher, hidden, topk_probs, topk_ids):
+        fp8 = isinstance(hidden, Float8BlockwiseQTensor)
+        rows = (hidden.rowwise_data.contiguous(), hidden.rowwise_scale_inv.contiguous()) if fp8 \
+            else (hidden.contiguous(), None)
+        (data, scale_inv), ids, probs, tokens_per_expert, layout = dispatcher._dispatch(
+            rows, topk_ids, topk_probs.contiguous()
+        )
+        handle = DispatchHandle(layout, hidden.shape[0], data.shape[0], fp8)
+        ctx.dispatcher, ctx.handle, ctx.hidden_size = dispatcher, handle, hidden.shape[1]
+        ctx.save_for_backward(ids)
+        ctx.mark_non_differentiable(ids)
+        recv = _fp8_like(data, scale_inv, hidden) if fp8 else data
+        return recv, ids, mask_foreign_slots(ids, probs), tokens_per_expert, handle
+
+    @staticmethod
+    def backward(ctx, grad_hidden, _grad_ids, grad_probs, _grad_counts, _grad_handle):
+        (ids,) = ctx.saved_tensors
+        if grad_hidden is None:
+            grad_hidden = torch.zeros((ctx.handle.num_recv_tokens, ctx.hidden_size), dtype=torch.bfloat16,
+                                      device=ids.device)
+        if grad_probs is not None:
+            grad_probs = mask_foreign_slots(ids, grad_probs.float()).contiguous()
+        grad_in, grad_in_probs = ctx.dispatcher._combine(
+            grad_hidden.to(torch.bfloat16).contiguous(), ctx.handle.layout, grad_probs
+        )
+        return None, grad_in, grad_in_probs, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dispatcher: ExchangeTokenDispatcher, x, handle: DispatchHandle):
+        ctx.dispatcher, ctx.handle = dispatcher, handle
+        out, _ = dispatcher._combine(x.contiguous(), handle.layout)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.to(torch.bfloat16).contiguous()
+        if not ctx.handle.fp8:
+            data, _ = ctx.dispatcher._dispatch_cached((grad, None), ctx.handle.layout)
+            return None, data, None
+        q = ctx.dispatcher.grad_quantizer(grad)
+        data, scale_inv = ctx.dispatcher._dispatch_cached((q.rowwise_data, q.rowwise_scale_inv), ctx.handle.layout)
+        return None, _fp8_like(data, scale_inv, q).dequantize(torch.bfloat16), None
