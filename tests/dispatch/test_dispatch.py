@@ -164,18 +164,19 @@ def _scenario_seed(g, group_index, scenario):
     return 1000 * g + 100 * group_index + SCENARIOS.index(scenario)
 
 
-def _worker(rank, port, out_dir, backend, device, hidden):
-    """One of WORLD ranks: every scenario at EP=2 (ranks {0,1} and {2,3}, concurrently) and EP=4;
-    writes ``{"<ep>-<scenario>": [failures]}`` to ``out_dir/rank<rank>.json``."""
+def _worker(rank, world, port, out_dir, backend, device, hidden):
+    """One of ``world`` ranks: every scenario at EP=2 (rank pairs {0,1}, {2,3}, ... concurrently) and,
+    for a world of 4, EP=4; writes ``{"<ep>-<scenario>": [failures]}`` to ``out_dir/rank<rank>.json``."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if device == "cuda":
         torch.cuda.set_device(rank)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=WORLD,
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
-    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pairs = [dist.new_group([2 * i, 2 * i + 1]) for i in range(world // 2)]
+    groups = [(2, pairs[rank // 2], rank // 2)] + ([(world, dist.group.WORLD, 0)] if world > 2 else [])
     results = {}
-    for g, group, group_index in [(2, pairs[rank // 2], rank // 2), (4, dist.group.WORLD, 0)]:
+    for g, group, group_index in groups:
         me = dist.get_rank(group)
         for scenario in SCENARIOS:
             seed = _scenario_seed(g, group_index, scenario)
@@ -188,29 +189,31 @@ def _worker(rank, port, out_dir, backend, device, hidden):
                 ]
             except Exception:
                 results[f"{g}-{scenario}"] = [f"rank {rank}: " + traceback.format_exc()]
+    indivisible = E_LOCAL * world + 1
     try:
-        get_dispatcher(backend, num_experts=6)
-        results["divisible"] = ["num_experts=6 over 4 ranks was accepted"]
+        get_dispatcher(backend, num_experts=indivisible)
+        results["divisible"] = [f"num_experts={indivisible} over {world} ranks was accepted"]
     except ValueError as e:
-        results["divisible"] = [] if "num_experts=6 must be divisible by the EP group size 4" in str(e) else [str(e)]
+        expected = f"num_experts={indivisible} must be divisible by the EP group size {world}"
+        results["divisible"] = [] if expected in str(e) else [str(e)]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
 
 
-def _spawn(tmp_path_factory, backend, device, hidden):
+def _spawn(tmp_path_factory, world, backend, device, hidden):
     out_dir = tmp_path_factory.mktemp(backend)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_worker, args=(port, str(out_dir), backend, device, hidden), nprocs=WORLD, join=True)
-    results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    mp.spawn(_worker, args=(world, port, str(out_dir), backend, device, hidden), nprocs=world, join=True)
+    results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
     return {key: [f for res in results for f in res[key]] for key in results[0]}
 
 
 @pytest.fixture(scope="module")
 def alltoall_results(tmp_path_factory):
-    return _spawn(tmp_path_factory, "alltoall", "cpu", hidden=320)  # 320: a partial last 1x128 block
+    return _spawn(tmp_path_factory, WORLD, "alltoall", "cpu", hidden=320)  # 320: a partial last 1x128 block
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -224,9 +227,139 @@ def test_alltoall_refuses_indivisible_experts(alltoall_results):
     assert not alltoall_results["divisible"], alltoall_results["divisible"]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < WORLD, reason=f"needs {WORLD} CUDA GPUs")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_deepep_matches_oracle(tmp_path_factory):
     pytest.importorskip("deep_ep")
-    results = _spawn(tmp_path_factory, "deepep", "cuda", hidden=512)
+    world = 4 if torch.cuda.device_count() >= 4 else 2
+    results = _spawn(tmp_path_factory, world, "deepep", "cuda", hidden=512)
     failures = [f for fs in results.values() for f in fs]
     assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------- in this process
+def _inputs(t=6, hidden=256, num_experts=4, k=2):
+    x = torch.randn(t, hidden, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.rand(t, num_experts).argsort(1)[:, :k]
+    ids[0, 1] = -1
+    probs = torch.rand(t, k, requires_grad=True)
+    return x, ids, probs
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A gloo group of one rank in this process (alltoall with EP=1)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_local_is_the_identity(fp8):
+    x, ids, probs = _inputs()
+    hidden = quantize_blockwise(x) if fp8 else x
+    dispatcher = get_dispatcher("local", num_experts=4)
+    assert isinstance(dispatcher, LocalTokenDispatcher) and dispatcher.num_local_experts == 4
+    res = dispatcher.dispatch(hidden, ids, probs)
+    assert res.hidden is hidden and res.topk_ids is ids  # nothing copied, nothing quantized
+    assert torch.equal(res.topk_probs, torch.where(ids >= 0, probs, 0.0))
+    assert res.tokens_per_expert == [int((ids == e).sum()) for e in range(4)]
+    h = res.hidden.dequantize(torch.bfloat16) if fp8 else res.hidden
+    out = dispatcher.combine(expert(h, res.topk_probs), res.handle)
+    gout = torch.randn(out.shape, dtype=torch.bfloat16)
+    (out.float() * gout.float()).sum().backward()
+    h_ref, p_ref = h.detach().requires_grad_(), probs.detach().requires_grad_()
+    out_ref = expert(h_ref, torch.where(ids >= 0, p_ref, 0.0))
+    (out_ref.float() * gout.float()).sum().backward()
+    assert torch.equal(out, out_ref) and torch.equal(x.grad, h_ref.grad) and torch.equal(probs.grad, p_ref.grad)
+    assert dispatcher.last_dispatch_bytes == dispatcher.last_combine_bytes == 0
+
+
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_alltoall_world_of_one_matches_local_forward(world_of_one, fp8):
+    x, ids, probs = _inputs()
+    hidden = quantize_blockwise(x) if fp8 else x
+    res = get_dispatcher("alltoall", world_of_one, num_experts=4).dispatch(hidden, ids, probs)
+    ref = get_dispatcher("local", num_experts=4).dispatch(hidden, ids, probs)
+    assert isinstance(res.hidden, type(hidden))
+    assert torch.equal(res.hidden.dequantize() if fp8 else res.hidden, ref.hidden.dequantize() if fp8 else ref.hidden)
+    assert torch.equal(res.topk_ids, ref.topk_ids) and torch.equal(res.topk_probs, ref.topk_probs)
+    assert res.tokens_per_expert == ref.tokens_per_expert
+
+
+def test_fp8_payload_is_at_most_53_percent_of_bf16():
+    fp8, bf16 = (dispatch_payload_bytes(4096, 7168, 8, f) for f in (True, False))
+    assert fp8 == 4096 * (7168 + 4 * 56 + 8 * 12) and bf16 == 4096 * (2 * 7168 + 8 * 12)
+    assert fp8 / bf16 <= 0.53, fp8 / bf16  # 7488 / 14432 = 0.519
+    assert combine_payload_bytes(4096, 7168) == 4096 * 2 * 7168
+    assert combine_payload_bytes(10, 7168, 8) == 10 * (2 * 7168 + 32)
+    assert dispatch_payload_bytes(0, 7168, 8, True) == 0
+
+
+def _bad(kind):
+    x, ids, probs = _inputs()
+    x = x.detach()
+    return {
+        "ids_dtype": ((x, ids.int(), probs), TypeError, r"topk_ids must be a torch.int64 tensor, got torch.int32"),
+        "ids_rows": ((x, ids[:5], probs), ValueError, r"topk_ids must have shape \[6, k >= 1\], got \[5, 2\]"),
+        "probs_shape": ((x, ids, probs[:, :1]), ValueError, r"topk_probs must have shape \[6, 2\], got \[6, 1\]"),
+        "probs_dtype": ((x, ids, probs.bfloat16()), TypeError, r"topk_probs must be a torch.float32 tensor, got torch.bfloat16"),
+        "id_too_large": ((x, ids.clamp(max=3) + 1, probs), ValueError, r"outside \[-1, num_experts=4\)"),
+        "id_below_minus_one": ((x, ids - 2, probs), ValueError, r"outside \[-1, num_experts=4\)"),
+        "hidden_fp32": ((x.float(), ids, probs), TypeError, r"hidden must be BF16 .* got torch.float32"),
+        "hidden_3d": ((x.view(2, 3, 256), ids, probs), ValueError, r"hidden must be 2-D .* got shape \[2, 3, 256\]"),
+        "hidden_list": (([1.0], ids, probs), TypeError, r"hidden must be a BF16 tensor or a Float8BlockwiseQTensor, got list"),
+        "fp8_columnwise_only": ((quantize_blockwise(x, rowwise=False, columnwise=True), ids, probs), ValueError,
+                                r"rowwise 1x128 data .* usages=\('columnwise',\)"),
+        "fp8_2d_scaled": ((quantize_blockwise(x, "128x128"), ids, probs), ValueError, r"rowwise 1x128 data .* block=128x128"),
+    }[kind]
+
+
+BAD = ["ids_dtype", "ids_rows", "probs_shape", "probs_dtype", "id_too_large", "id_below_minus_one", "hidden_fp32",
+       "hidden_3d", "hidden_list", "fp8_columnwise_only", "fp8_2d_scaled"]
+
+
+@pytest.mark.parametrize("kind", BAD)
+@pytest.mark.parametrize("name", ["local", "alltoall"])
+def test_dispatch_bad_input(world_of_one, name, kind):
+    args, exc, match = _bad(kind)
+    with pytest.raises(exc, match=match):
+        get_dispatcher(name, num_experts=4).dispatch(*args)
+
+
+@pytest.mark.parametrize("name", ["local", "alltoall"])
+def test_combine_bad_input(world_of_one, name):
+    dispatcher = get_dispatcher(name, num_experts=4)
+    x, ids, probs = _inputs()
+    handle = dispatcher.dispatch(x, ids, probs).handle
+    y = torch.zeros(6, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="handle must be the DispatchHandle dispatch returned, got tuple"):
+        dispatcher.combine(y, (1, 2))
+    with pytest.raises(TypeError, match="x must be the BF16 expert output .* got Float8BlockwiseQTensor"):
+        dispatcher.combine(quantize_blockwise(y), handle)
+    with pytest.raises(TypeError, match="x must be the BF16 expert output .* dtype torch.float32"):
+        dispatcher.combine(y.float(), handle)
+    with pytest.raises(ValueError, match=r"x must be \[num_recv_tokens=6, hidden\], got shape \[5, 64\]"):
+        dispatcher.combine(y[:5], handle)
+    assert isinstance(handle, DispatchHandle) and handle.num_recv_tokens == 6
+
+
+def test_get_dispatcher_names_and_arguments(world_of_one):
+    assert isinstance(get_dispatcher("alltoall", num_experts=4), AllToAllTokenDispatcher)
+    with pytest.raises(ValueError, match=r"unknown token dispatcher 'nccl'; choose one of \['alltoall', 'deepep', 'local'\]"):
+        get_dispatcher("nccl", num_experts=4)
+    with pytest.raises(ValueError, match="num_experts must be a positive int, got 0"):
+        get_dispatcher("local", num_experts=0)
+    with pytest.raises(ValueError, match="takes no recipe"):
+        get_dispatcher("local", num_experts=4, recipe=FP8FlowRecipe())
+    grad_dtype = get_dispatcher("alltoall", num_experts=4, recipe=FP8FlowRecipe(fp8_format=Format.HYBRID)).grad_quantizer.dtype
+    assert grad_dtype == torch.float8_e5m2
+
+
+def test_deepep_needs_deep_ep():
+    try:
+        import deep_ep  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="the deepep dispatcher needs DeepEP with its V1 API"):
+            get_dispatcher("deepep", num_experts=4)
+    else:
+        pytest.skip("deep_ep is installed: test_deepep_matches_oracle runs it")
