@@ -94,7 +94,7 @@ class _Dispatch(torch.autograd.Function):
             rows, topk_ids, topk_probs.contiguous()
         )
         handle = DispatchHandle(layout, hidden.shape[0], data.shape[0], fp8)
-        ctx.dispatcher, ctx.handle, ctx.hidden_size = dispatcher, handle, hidden.shape[1]
+        ctx.dispatcher, ctx.handle = dispatcher, handle
         ctx.save_for_backward(ids)
         ctx.mark_non_differentiable(ids)
         recv = _fp8_like(data, scale_inv, hidden) if fp8 else data
@@ -102,14 +102,11 @@ class _Dispatch(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_hidden, _grad_ids, grad_probs, _grad_counts, _grad_handle):
+        # autograd passes zeros for an unused output, so both gradients always travel: every rank
+        # runs the same collectives
         (ids,) = ctx.saved_tensors
-        if grad_hidden is None:
-            grad_hidden = torch.zeros((ctx.handle.num_recv_tokens, ctx.hidden_size), dtype=torch.bfloat16,
-                                      device=ids.device)
-        if grad_probs is not None:
-            grad_probs = mask_foreign_slots(ids, grad_probs.float()).contiguous()
         grad_in, grad_in_probs = ctx.dispatcher._combine(
-            grad_hidden.to(torch.bfloat16).contiguous(), ctx.handle.layout, grad_probs
+            grad_hidden.contiguous(), ctx.handle.layout, mask_foreign_slots(ids, grad_probs).contiguous()
         )
         return None, grad_in, grad_in_probs, None
 
@@ -123,7 +120,7 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.to(torch.bfloat16).contiguous()
+        grad = grad.contiguous()
         if not ctx.handle.fp8:
             data, _ = ctx.dispatcher._dispatch_cached((grad, None), ctx.handle.layout)
             return None, data, None
