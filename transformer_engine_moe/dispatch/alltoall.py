@@ -54,10 +54,9 @@ class AllToAllTokenDispatcher(ExchangeTokenDispatcher):
         super().__init__(num_experts, dist.get_world_size(self.ep_group), dist.get_rank(self.ep_group), recipe)
 
     def _all_to_all(self, send: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
-        """Rows of ``send`` to each rank; FP8 travels as bytes (collectives have no FP8 dtype)."""
+        """Rows of ``send`` to each rank (``input_splits``), rows from each (``output_splits``)."""
         recv = send.new_empty((sum(output_splits),) + tuple(send.shape[1:]))
-        wire = (lambda t: t.view(torch.uint8)) if send.element_size() == 1 else (lambda t: t)
-        dist.all_to_all_single(wire(recv), wire(send), output_splits, input_splits, group=self.ep_group)
+        dist.all_to_all_single(_wire(recv), _wire(send), output_splits, input_splits, group=self.ep_group)
         return recv
 
     def _send_rows(self, rows: Rows, layout: AllToAllLayout) -> Rows:
@@ -74,23 +73,22 @@ class AllToAllTokenDispatcher(ExchangeTokenDispatcher):
         owner = topk_ids.div(e_local, rounding_mode="floor") + 1  # 0: slot not selected (id -1)
         in_rank = torch.zeros((num_tokens, g + 1), dtype=torch.bool, device=topk_ids.device)
         in_rank = in_rank.scatter_(1, owner, True)[:, 1:].contiguous()
-        # per destination rank: [rows, slots of each of its experts]; exchanged, then one host copy
-        counts = torch.cat([in_rank.sum(0, keepdim=True).t(), slots_per_expert(topk_ids, self.num_experts).view(g, e_local)], 1)
+        # per destination rank: [rows, slots of each of its experts]; exchanged, then one host copy of
+        # rows to send, rows to receive (per rank) and slots received per local expert
+        counts = torch.cat([in_rank.sum(0, keepdim=True).t(),
+                            slots_per_expert(topk_ids, self.num_experts).view(g, e_local)], 1)
         recv_counts = torch.empty_like(counts)
         dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
-        host = torch.cat([counts[:, 0], recv_counts.reshape(-1)]).tolist()
-        recv_host = [host[g + r * (e_local + 1): g + (r + 1) * (e_local + 1)] for r in range(g)]
-        tokens_per_expert = [sum(c[1 + e] for c in recv_host) for e in range(e_local)]
+        host = torch.cat([counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0)]).tolist()
+        input_splits, output_splits, tokens_per_expert = host[:g], host[g:2 * g], host[2 * g:]
 
         kernel = use_triton("auto", topk_ids, "alltoall dispatch")
         row_id_map = implementation(kernel, "permute").routing_layout(in_rank, 1)[0]
-        layout = AllToAllLayout(row_id_map, host[:g], [c[0] for c in recv_host], kernel)
+        layout = AllToAllLayout(row_id_map, input_splits, output_splits, kernel)
         recv_rows = self._send_rows(rows, layout)
-
-        token = _send_row_tokens(row_id_map, sum(layout.input_splits))
-        recv_ids, recv_probs = (self._all_to_all(t[token], layout.output_splits, layout.input_splits)
-                                for t in (topk_ids, topk_probs))
-        self._record_dispatch(token.shape[0], rows[0].shape[1], topk_ids.shape[1], rows[1] is not None)
+        token = _send_row_tokens(row_id_map, sum(input_splits))
+        recv_ids, recv_probs = (self._all_to_all(t[token], output_splits, input_splits) for t in (topk_ids, topk_probs))
+        self._record_dispatch(sum(input_splits), rows[0].shape[1], topk_ids.shape[1], rows[1] is not None)
         local = recv_ids - self.ep_rank * e_local
         recv_ids = torch.where((local >= 0) & (local < e_local), local, -1)
         return recv_rows, recv_ids, recv_probs, tokens_per_expert, layout
@@ -105,6 +103,11 @@ class AllToAllTokenDispatcher(ExchangeTokenDispatcher):
                 for t in (x, probs)]
         self._record_combine(x.shape[0], x.shape[1], probs.shape[1] if probs is not None else 0)
         return tuple(unpermute(t, layout.row_id_map) if t is not None else None for t in back)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """FP8 viewed as bytes (collectives have no FP8 dtype); other tensors as they are."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
 def _send_row_tokens(row_id_map: torch.Tensor, num_rows: int) -> torch.Tensor:
