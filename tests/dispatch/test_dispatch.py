@@ -159,6 +159,16 @@ def run_case(dispatcher, batch, me, fp8, device, seed):
     return failures
 
 
+def run_probs_used_on_one_rank(dispatcher, batch, me, device):
+    """Only EP rank 0's experts use the probs (the others get zero gradients for them from autograd):
+    every rank must still run the same collectives."""
+    x, ids, probs = (t.to(device, copy=True).requires_grad_(t.is_floating_point()) for t in batch[me])
+    res = dispatcher.dispatch(x, ids, probs)
+    y = expert(res.hidden, res.topk_probs) if me == 0 else res.hidden * 2
+    dispatcher.combine(y, res.handle).float().sum().backward()
+    return [] if x.grad.shape == x.shape and probs.grad.shape == probs.shape else [f"rank {me}: gradient shapes"]
+
+
 # ---------------------------------------------------------------- the spawned ranks
 def _scenario_seed(g, group_index, scenario):
     return 1000 * g + 100 * group_index + SCENARIOS.index(scenario)
@@ -186,7 +196,7 @@ def _worker(rank, world, port, out_dir, backend, device, hidden):
                 dispatcher = get_dispatcher(backend, group, num_experts=num_experts, recipe=recipe)
                 results[f"{g}-{scenario}"] = [
                     f for fp8 in (True, False) for f in run_case(dispatcher, batch, me, fp8, device, seed)
-                ]
+                ] + run_probs_used_on_one_rank(dispatcher, batch, me, device)
             except Exception:
                 results[f"{g}-{scenario}"] = [f"rank {rank}: " + traceback.format_exc()]
     indivisible = E_LOCAL * world + 1
