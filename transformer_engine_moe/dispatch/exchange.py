@@ -76,8 +76,19 @@ class ExchangeTokenDispatcher(TokenDispatcher):
         ``(out [T, H] BF16, out_probs [T, k] float32 or None)``."""
 
 
-def _fp8_like(data: torch.Tensor, scale_inv: torch.Tensor, like: Float8BlockwiseQTensor) -> Float8BlockwiseQTensor:
-    """Rowwise 1x128 Float8BlockwiseQTensor on received ``data [R, H]`` and ``scale_inv``, formatted as ``like``."""
+def _rows(t: Hidden) -> Rows:
+    """``(data, scale_inv)`` of a rowwise 1x128 Float8BlockwiseQTensor; ``(t, None)`` of a BF16 tensor."""
+    if isinstance(t, Float8BlockwiseQTensor):
+        return t.rowwise_data.contiguous(), t.rowwise_scale_inv.contiguous()
+    return t.contiguous(), None
+
+
+def _hidden_like(rows: Rows, like: Hidden) -> Hidden:
+    """Received ``rows`` as a tensor of ``like``'s kind: a rowwise 1x128 Float8BlockwiseQTensor
+    with ``like``'s formats, or the BF16 data."""
+    data, scale_inv = rows
+    if scale_inv is None:
+        return data
     return Float8BlockwiseQTensor(
         shape=data.shape, dtype=like.dtype, fp8_dtype=like.fp8_dtype, pow2_scales=like.pow2_scales,
         rowwise_data=data, rowwise_scale_inv=scale_inv,
@@ -87,18 +98,14 @@ def _fp8_like(data: torch.Tensor, scale_inv: torch.Tensor, like: Float8Blockwise
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dispatcher: ExchangeTokenDispatcher, hidden, topk_probs, topk_ids):
-        fp8 = isinstance(hidden, Float8BlockwiseQTensor)
-        rows = (hidden.rowwise_data.contiguous(), hidden.rowwise_scale_inv.contiguous()) if fp8 \
-            else (hidden.contiguous(), None)
-        (data, scale_inv), ids, probs, tokens_per_expert, layout = dispatcher._dispatch(
-            rows, topk_ids, topk_probs.contiguous()
+        rows, ids, probs, tokens_per_expert, layout = dispatcher._dispatch(
+            _rows(hidden), topk_ids, topk_probs.contiguous()
         )
-        handle = DispatchHandle(layout, hidden.shape[0], data.shape[0], fp8)
+        handle = DispatchHandle(layout, hidden.shape[0], rows[0].shape[0], rows[1] is not None)
         ctx.dispatcher, ctx.handle = dispatcher, handle
         ctx.save_for_backward(ids)
         ctx.mark_non_differentiable(ids)
-        recv = _fp8_like(data, scale_inv, hidden) if fp8 else data
-        return recv, ids, mask_foreign_slots(ids, probs), tokens_per_expert, handle
+        return _hidden_like(rows, hidden), ids, mask_foreign_slots(ids, probs), tokens_per_expert, handle
 
     @staticmethod
     def backward(ctx, grad_hidden, _grad_ids, grad_probs, _grad_counts, _grad_handle):
@@ -120,10 +127,6 @@ class _Combine(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        if not ctx.handle.fp8:
-            data, _ = ctx.dispatcher._dispatch_cached((grad, None), ctx.handle.layout)
-            return None, data, None
-        q = ctx.dispatcher.grad_quantizer(grad)
-        data, scale_inv = ctx.dispatcher._dispatch_cached((q.rowwise_data, q.rowwise_scale_inv), ctx.handle.layout)
-        return None, _fp8_like(data, scale_inv, q).dequantize(torch.bfloat16), None
+        sent = ctx.dispatcher.grad_quantizer(grad.contiguous()) if ctx.handle.fp8 else grad
+        recv = _hidden_like(ctx.dispatcher._dispatch_cached(_rows(sent), ctx.handle.layout), sent)
+        return None, recv.dequantize(torch.bfloat16) if ctx.handle.fp8 else recv, None
