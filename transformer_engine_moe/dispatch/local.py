@@ -1,0 +1,50 @@
+"""LocalTokenDispatcher: no expert parallelism; every expert is on this rank, nothing is sent."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from .base import (
+    DispatchHandle,
+    DispatchResult,
+    Hidden,
+    TokenDispatcher,
+    check_combine_input,
+    check_dispatch_inputs,
+    mask_foreign_slots,
+    slots_per_expert,
+)
+
+
+class LocalTokenDispatcher(TokenDispatcher):
+    """EP size 1: ``dispatch`` returns the input tokens themselves (FP8 stays the same tensor, no
+    copy, no quantization anywhere), global ids are the local ids; ``combine`` returns ``x``.
+    Gradients pass through unchanged. Host sync: one device-to-host copy per dispatch, of
+    ``tokens_per_expert``. Sends no bytes.
+
+    Args: ``num_experts``; ``ep_group`` must be None or of size 1.
+    """
+
+    def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None):
+        if ep_group is not None and dist.get_world_size(ep_group) != 1:
+            raise ValueError(
+                f"the local dispatcher has no expert parallelism; got an ep_group of size "
+                f"{dist.get_world_size(ep_group)} (use 'alltoall' or 'deepep')"
+            )
+        super().__init__(num_experts, ep_size=1, ep_rank=0)
+
+    def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> DispatchResult:
+        check_dispatch_inputs(hidden, topk_ids, topk_probs, self.num_experts)
+        handle = DispatchHandle(None, hidden.shape[0], hidden.shape[0], isinstance(hidden, Float8BlockwiseQTensor))
+        return DispatchResult(
+            hidden, topk_ids, mask_foreign_slots(topk_ids, topk_probs),
+            slots_per_expert(topk_ids, self.num_experts).tolist(), handle,
+        )
+
+    def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        check_combine_input(x, handle)
+        return x
