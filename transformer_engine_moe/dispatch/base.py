@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 import torch
 
-from ..ops.permute import _check_on_device
+from ..ops.backend import check_on_device
 from ..recipe import BLOCK_SIZE
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
@@ -148,7 +148,7 @@ def check_dispatch_inputs(hidden, topk_ids, topk_probs, num_experts: int) -> Non
             f"hidden, topk_ids and topk_probs must share a device, got {hidden.device}, {topk_ids.device}, "
             f"{topk_probs.device}"
         )
-    _check_on_device(((topk_ids >= -1) & (topk_ids < num_experts)).all(),
+    check_on_device(((topk_ids >= -1) & (topk_ids < num_experts)).all(),
                      f"topk_ids holds expert ids outside [-1, num_experts={num_experts})")
 
 

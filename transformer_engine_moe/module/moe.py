@@ -1,0 +1,164 @@
+"""FP8FlowMoE: the expert block of an MoE layer, FP8 from dispatch to fc2's input.
+
+``forward(hidden [T, H] BF16, topk_ids [T, k], topk_probs [T, k]) -> [T, H] BF16``; the router
+stays outside, as in Megatron. Phases (methods named after them, so recompute can wrap one):
+
+1. ``quantize``: the tokens once, 1x128 E4M3 with power-of-two scales (cast 1 of 2);
+2. ``dispatch``: FP8 rows + scales + top-k ids + probs to the experts' ranks;
+3. ``experts``: permute+pad (FP8 rows, scales, probs) -> fc1 ``GroupedLinear`` on the FP8 tensor ->
+   weighted SwiGLU + quantization (the router prob is applied here) -> fc2 on that FP8 tensor
+   -> unpermute+unpad (BF16, cast 2 of 2: fc2's output);
+4. ``combine``: BF16 sum back to the tokens' positions.
+
+``precision="bf16"`` runs the same phases with the same parameters without quantization: the
+reference block of tests and benchmarks. ``recompute="moe_expert"`` keeps only the dispatched
+FP8 input (data, scales, probs, routing) for backward and reruns ``experts`` there; nothing
+is re-dispatched.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..dispatch import get_dispatcher
+from ..ops.permute import moe_permute_and_pad_with_probs, moe_unpermute, topk_to_routing_map
+from ..ops.quantize import QuantizeArgs, quantize_with_args
+from ..ops.swiglu import weighted_swiglu_quant
+from ..recipe import FP8FlowRecipe, Role
+from ..reference.swiglu import weighted_swiglu
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from .grouped_linear import GroupedLinear
+
+PRECISIONS = ("fp8_flow", "bf16")
+RECOMPUTE = (None, "moe_expert")
+
+
+def _bf16_grouped_linear(x: torch.Tensor, weights, m_splits: list[int]) -> torch.Tensor:
+    """BF16 ``x[rows of g] @ weights[g]^T`` (the reference block's experts)."""
+    return torch.cat([F.linear(xi, w) for xi, w in zip(x.split(m_splits), weights)])
+
+
+class FP8FlowMoE(nn.Module):
+    """The MoE expert block with FP8-Flow.
+
+    Args:
+        num_experts: E over the EP group; ``E % ep_size == 0``, this rank holds ``E / ep_size``.
+        hidden_size: H, ffn_hidden_size: F (multiples of 128); topk: k.
+        ep_group: the expert-parallel process group (None: no EP).
+        dispatcher: ``"local"``, ``"alltoall"`` or ``"deepep"`` (``dispatch.get_dispatcher``); None:
+            ``"local"`` without an EP group, else ``"alltoall"``.
+        recipe: ``FP8FlowRecipe``; precision: ``"fp8_flow"`` or ``"bf16"`` (reference);
+        recompute: None or ``"moe_expert"``.
+        align_size: experts' rows padded to a multiple of this (512: every GEMM takes the cuBLAS
+            path, docs/grouped_gemm.md).
+    Parameters: ``fc1.weight{i}`` ``[2F, H]`` (gate rows first, then up) and ``fc2.weight{i}``
+    ``[H, F]`` per local expert, as Megatron's TE grouped experts name them.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, topk: int,
+                 ep_group: Optional[dist.ProcessGroup] = None, dispatcher: Optional[str] = None,
+                 recipe: Optional[FP8FlowRecipe] = None, precision: str = "fp8_flow",
+                 recompute: Optional[str] = None, align_size: int = 512, params_dtype=torch.bfloat16,
+                 device=None, gemm_backend: str = "auto", init_method=None):
+        super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be None or 'moe_expert', got {recompute!r}")
+        if not isinstance(topk, int) or not 0 < topk <= num_experts:
+            raise ValueError(f"topk must be an int in [1, num_experts={num_experts}], got {topk!r}")
+        ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
+        if num_experts % ep_size:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the EP group size {ep_size}")
+        self.recipe = recipe or FP8FlowRecipe()
+        self.precision, self.recompute, self.topk, self.align_size = precision, recompute, topk, align_size
+        self.num_experts, self.num_local_experts = num_experts, num_experts // ep_size
+        name = dispatcher or ("local" if ep_group is None else "alltoall")
+        self.dispatcher = get_dispatcher(name, ep_group, num_experts=num_experts,
+                                         **({} if name == "local" else {"recipe": self.recipe}))
+        common = dict(params_dtype=params_dtype, device=device, recipe=self.recipe, backend=gemm_backend,
+                      init_method=init_method)
+        self.fc1 = GroupedLinear(self.num_local_experts, hidden_size, 2 * ffn_hidden_size, **common)
+        self.fc2 = GroupedLinear(self.num_local_experts, ffn_hidden_size, hidden_size, **common)
+
+    # ------------------------------------------------------------------ phases
+    def quantize(self, hidden: torch.Tensor):
+        if self.precision == "bf16":
+            return hidden
+        args = QuantizeArgs("1x128", self.recipe.fp8_dtype(Role.INPUT), self.recipe.power_2_scales,
+                            self.recipe.amax_epsilon, True, False, "auto")
+        return quantize_with_args(hidden, args)
+
+    def dispatch(self, hidden, topk_ids, topk_probs):
+        return self.dispatcher.dispatch(hidden, topk_ids, topk_probs)
+
+    def experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert: list[int]):
+        """Received ``hidden [R, H]`` (FP8 or BF16), local ``topk_ids``/``topk_probs [R, k]`` and the host
+        ``tokens_per_expert`` -> ``[R, H]`` BF16 (each token's prob-weighted sum over local experts)."""
+        a = self.align_size
+        padded = [-(-c // a) * a for c in tokens_per_expert]
+        total = sum(padded)
+        routing_map, probs = topk_to_routing_map(topk_ids, topk_probs, self.num_local_experts)
+        x, probs, row_id_map, pad_offsets, _ = moe_permute_and_pad_with_probs(
+            hidden, probs, routing_map, None, a, num_out_tokens=sum(tokens_per_expert))
+        if x.shape[0] > total:  # drop the worst-case buffer's slack rows (zero-copy views)
+            x = x.split([total, x.shape[0] - total])[0]
+            probs = probs[:total]
+        if self.precision == "bf16":
+            h = _bf16_grouped_linear(x, self.fc1.weights, padded)
+            act = weighted_swiglu(h, probs).to(h.dtype)
+            y = _bf16_grouped_linear(act, self.fc2.weights, padded)
+        else:
+            h = self.fc1(x, padded)
+            act = weighted_swiglu_quant(h, probs, self.recipe)
+            y = self.fc2(act, padded)
+        return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets)
+
+    def combine(self, y: torch.Tensor, handle) -> torch.Tensor:
+        return self.dispatcher.combine(y, handle)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> torch.Tensor:
+        """``hidden [T, H]`` BF16, ``topk_ids [T, k]`` int64 global expert ids, ``topk_probs [T, k]``
+        float32 -> ``[T, H]`` BF16."""
+        if not isinstance(hidden, torch.Tensor) or isinstance(hidden, Float8BlockwiseQTensor) or hidden.dim() != 2:
+            raise TypeError(f"hidden must be a 2-D BF16 tensor [T, H], got {type(hidden).__name__} "
+                            f"{list(getattr(hidden, 'shape', []))}")
+        if hidden.shape[1] != self.fc1.in_features:
+            raise ValueError(f"hidden must have {self.fc1.in_features} features, got shape {list(hidden.shape)}")
+        if topk_ids.dim() != 2 or topk_ids.shape[1] != self.topk:
+            raise ValueError(f"topk_ids must be [T, topk={self.topk}], got {list(topk_ids.shape)}")
+        res = self.dispatch(self.quantize(hidden), topk_ids, topk_probs.float())
+        if self.recompute == "moe_expert":
+            y = torch.utils.checkpoint.checkpoint(self.experts, res.hidden, res.topk_ids, res.topk_probs,
+                                                  res.tokens_per_expert, use_reentrant=False)
+        else:
+            y = self.experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert)
+        return self.combine(y, res.handle)
+
+
+def saved_activation_bytes(step) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``step()`` runs forward
+    (parameters excluded): the activation memory a block keeps until its backward."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if not isinstance(t, nn.Parameter):
+            for s in _storages(t):
+                seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = step()
+    return sum(seen.values()), out
+
+
+def _storages(t: torch.Tensor):
+    if isinstance(t, Float8BlockwiseQTensor):
+        return [c.untyped_storage() for c in t._components().values() if isinstance(c, torch.Tensor)]
+    return [t.untyped_storage()]
