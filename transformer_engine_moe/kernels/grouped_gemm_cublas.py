@@ -55,8 +55,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, trans_b: bool, out_dt
     return c
 
 
-def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
-                       aligned=False, config=None):
+def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False, config=None):
     """As ``kernels.grouped_gemm.grouped_gemm_wgrad`` (groups of 512-multiple sizes, host list)."""
     n, k = a_t.shape[0], b_t.shape[0]
     if out is None:

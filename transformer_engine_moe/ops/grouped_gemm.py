@@ -156,5 +156,4 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out (the main_grad buffer)")
     impl = _impl(backend, a, m_splits, 0, "grouped_gemm_wgrad", wgrad=True)
-    aligned = isinstance(m_splits, list) and all(s % 16 == 0 for s in m_splits)
-    return impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, aligned)
+    return impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate)

@@ -34,8 +34,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, trans_b: bool, out_dt
     return c.to(out_dtype)
 
 
-def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
-                       aligned=False, config=None):
+def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False, config=None):
     """``C_g [N, K] = A_g^T B_g`` over group g's rows of the logical ``A [M, N]``, ``B [M, K]`` (float32)."""
     a32 = dequantize_128x1(a_t, a_t_scale_inv, torch.float32, m_splits)
     b32 = dequantize_128x1(b_t, b_t_scale_inv, torch.float32, m_splits)
