@@ -80,6 +80,25 @@ def _shim_rng_fork() -> None:
         CudaRNGStatesTracker.fork = _mark(_host_fork)
 
 
+def _no_cuda_rng_state(*args, **kwargs):
+    """Stands in for getting and setting the CUDA generator state: there is none."""
+    return None
+
+
+def _shim_checkpoint_rng() -> None:
+    """``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state`` -> no-ops.
+
+    Megatron's activation checkpointing (``tensor_parallel.checkpoint``, used by selective
+    recompute such as 'moe') saves and restores the CUDA generator state around the recomputed
+    forward; a CPU-only torch has none. The CPU generator is still saved and restored by Megatron.
+    """
+    from megatron.core.tensor_parallel import random
+
+    if not _installed(random._get_cuda_rng_state):
+        random._get_cuda_rng_state = _mark(_no_cuda_rng_state)
+        random._set_cuda_rng_state = _mark(_no_cuda_rng_state)
+
+
 def _shim_router_gemm() -> None:
     """``moe_utils.te_general_gemm`` -> ``None`` when TransformerEngine is absent.
 
@@ -123,6 +142,7 @@ SHIMS = (
     _shim_current_device,
     _shim_causal_mask,
     _shim_rng_fork,
+    _shim_checkpoint_rng,
     _shim_router_gemm,
     _shim_alltoall_streams,
 )
