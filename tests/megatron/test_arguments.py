@@ -1,8 +1,11 @@
 """Flag parsing and the FP8-Flow combination rules (command line and TransformerConfig)."""
 
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install megatron-core==0.16.1)")
+
 import argparse
 
-import pytest
 import torch
 
 import megatron_patches
