@@ -1,0 +1,97 @@
+"""FP8-Flow command-line flags for Megatron-LM's parser, and their validation.
+
+``add_fp8_flow_args`` is usable as Megatron-LM's ``extra_args_provider``. The FP8 format, the
+recipe, the dispatcher and recompute keep Megatron's own flags (``--fp8-format``,
+``--fp8-recipe``, ``--moe-token-dispatcher-type``, ``--recompute-modules``); FP8-Flow adds one
+switch and one recompute module, and ``validate_fp8_flow_args`` checks how they combine.
+"""
+
+import argparse
+import importlib.util
+import warnings
+
+from .settings import MOE_EXPERT, FP8FlowView, fp8_flow_problems, raise_on_problems
+
+# Megatron-LM flags whose name is not "--" + the config field with dashes.
+_FLAGS = {
+    "fp8": "--fp8-format",
+    "num_moe_experts": "--num-experts",
+    "add_bias_linear": "--disable-bias-linear",
+}
+
+_HELP = (
+    "Run the routed experts of every MoE layer as the FP8-Flow block "
+    "(transformer_engine_moe): tokens are quantized once to blockwise FP8 (1x128, power-of-two "
+    "scales), dispatched as FP8, permuted and fed to blockwise-FP8 grouped GEMMs with a fused "
+    "SwiGLU+quantize between them; Megatron's router and aux losses are kept. Requires "
+    "--fp8-format e4m3|hybrid --fp8-recipe blockwise --moe-grouped-gemm --swiglu "
+    "--disable-bias-linear and --moe-token-dispatcher-type alltoall|flex (flex: DeepEP when "
+    f"importable). Add {MOE_EXPERT!r} to --recompute-modules (with --recompute-granularity "
+    "selective) to keep only the FP8 dispatched input and recompute permute, fc1 and SwiGLU in "
+    "backward."
+)
+
+_FORMAT_HELP = (
+    "FP8 format of the FP8-Flow experts (hybrid: E5M2 gradients); default: --fp8-format. "
+    "Without TransformerEngine Megatron refuses --fp8-format with MoE layers: "
+    "megatron_patches.pretrain_gpt then moves --fp8-format here and trains the dense layers in BF16."
+)
+
+
+def flag(field: str) -> str:
+    """The Megatron-LM flag that sets config ``field``."""
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
+def add_fp8_flow_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--moe-fp8-flow`` to ``parser`` and return it (Megatron's extra_args_provider).
+
+    On megatron-core 0.19 with ``apply()`` done first, Megatron's parser already generates
+    ``--moe-fp8-flow`` from the patched ``TransformerConfig`` field; then only its help is set.
+    """
+    group = parser.add_argument_group(title="FP8-Flow MoE (megatron_patches)")
+    for option, kwargs in (
+        ("--moe-fp8-flow", dict(action="store_true", help=_HELP)),
+        ("--moe-fp8-flow-format", dict(choices=("e4m3", "hybrid"), default=None,
+                                       help=_FORMAT_HELP)),
+    ):
+        existing = parser._option_string_actions.get(option)
+        if existing is None:
+            group.add_argument(option, **kwargs)
+        else:
+            existing.help = kwargs["help"]
+    return parser
+
+
+def _view(args: argparse.Namespace) -> FP8FlowView:
+    modules = getattr(args, "recompute_modules", None) or ()
+    return FP8FlowView(
+        moe_fp8_flow=bool(getattr(args, "moe_fp8_flow", False)),
+        num_moe_experts=getattr(args, "num_experts", None),
+        fp8=getattr(args, "fp8", None),
+        moe_fp8_flow_format=getattr(args, "moe_fp8_flow_format", None),
+        fp8_recipe=getattr(args, "fp8_recipe", None),
+        moe_grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
+        moe_token_dispatcher_type=getattr(args, "moe_token_dispatcher_type", "allgather"),
+        swiglu=bool(getattr(args, "swiglu", False)),
+        add_bias_linear=getattr(args, "add_bias_linear", True),
+        recompute_granularity=getattr(args, "recompute_granularity", None),
+        recompute_modules=modules,
+    )
+
+
+def validate_fp8_flow_args(args: argparse.Namespace) -> None:
+    """Raise ValueError naming every FP8-Flow rule the parsed ``args`` break (by flag)."""
+    raise_on_problems(fp8_flow_problems(_view(args), flag), "command line")
+
+
+def resolve_fp8_flow_format(args: argparse.Namespace) -> None:
+    """Without TransformerEngine, move ``--fp8-format`` to ``--moe-fp8-flow-format`` (in place),
+    with one warning: the experts run FP8-Flow, everything else BF16."""
+    if not (args.moe_fp8_flow and args.fp8) or importlib.util.find_spec("transformer_engine"):
+        return
+    args.moe_fp8_flow_format = args.moe_fp8_flow_format or args.fp8
+    args.fp8 = None
+    warnings.warn(f"TransformerEngine is not installed: the routed experts run FP8-Flow "
+                  f"({args.moe_fp8_flow_format}, transformer_engine_moe kernels); attention and "
+                  f"dense layers stay BF16")

@@ -1,0 +1,208 @@
+"""Where Megatron's routed experts and token dispatcher give way to the FP8-Flow block.
+
+The swap happens in the layer spec: ``fp8_flow_layer_spec(spec, config)`` returns a copy of a
+GPT layer (or block) spec whose MoE layers are ``FP8FlowMoELayer``. That layer keeps Megatron's
+router (and so its aux losses) and shared experts, builds no Megatron token dispatcher and no
+Megatron experts, and hands ``[T, H]`` hidden states with the router's ``probs`` and
+``routing_map`` to one block that dispatches, computes and combines:
+
+    block(hidden_states [T, H], probs [T, E] float32, routing_map [T, E] bool) -> [T, H]
+
+``ExpertBlockBuilder`` is the adapter interface; ``build_fp8_flow_block`` is the production
+builder (``transformer_engine_moe.module.FP8FlowMoE``). See docs/megatron.md.
+"""
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import warnings
+from typing import Callable, Optional, Protocol
+
+import torch
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoELayer
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from .settings import MOE_EXPERT
+
+
+class ExpertBlock(Protocol):
+    """What ``FP8FlowMoELayer`` needs from an expert block (an ``nn.Module``).
+
+    ``forward(hidden_states, probs, routing_map)``: ``hidden_states [T, H]`` (the layer's local
+    tokens), ``probs [T, E]`` float32 and ``routing_map [T, E]`` bool over all ``E`` experts as
+    Megatron's ``TopKRouter`` returns them; returns ``[T, H]`` in the dtype of
+    ``hidden_states``: the probability-weighted sum of each token's experts, gathered back from
+    whichever expert-parallel rank computed them. Parameters live in ``linear_fc1`` /
+    ``linear_fc2`` as ``weight0..weight{num_local_experts-1}`` (TE's GroupedLinear names).
+    """
+
+    def __call__(
+        self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+# (config, num_local_experts, pg_collection) -> the expert block of one MoE layer.
+ExpertBlockBuilder = Callable[..., torch.nn.Module]
+
+
+def fp8_flow_dispatcher_backend(config) -> str:
+    """The block's dispatcher: 'deepep' for Megatron's ``flex`` when ``deep_ep`` is importable,
+    else 'alltoall' (a warning says so when ``flex`` was asked for)."""
+    if config.moe_token_dispatcher_type == "flex":
+        if importlib.util.find_spec("deep_ep") is not None:
+            return "deepep"
+        warnings.warn("moe_token_dispatcher_type 'flex': DeepEP is not importable, FP8-Flow "
+                      "dispatches with all-to-all instead")
+    return "alltoall"
+
+
+def build_fp8_flow_block(config, num_local_experts: int, pg_collection) -> torch.nn.Module:
+    """The production ``ExpertBlockBuilder``: ``transformer_engine_moe.module.FP8FlowMoE``.
+
+    Raises NotImplementedError while that module does not exist yet (issue 7).
+    """
+    module = None
+    if importlib.util.find_spec("transformer_engine_moe.module") is not None:
+        module = importlib.import_module("transformer_engine_moe.module")
+    if module is None or not hasattr(module, "FP8FlowMoE"):
+        raise NotImplementedError(
+            "FP8-Flow experts need transformer_engine_moe.module.FP8FlowMoE (the FP8-Flow MoE "
+            "block of issue 7), which this installation lacks; run without --moe-fp8-flow"
+        )
+    from transformer_engine_moe.recipe import Format, FP8FlowRecipe
+
+    fp8_format = config.moe_fp8_flow_format or config.fp8
+    recipe = FP8FlowRecipe(fp8_format=Format.HYBRID if fp8_format == "hybrid" else Format.E4M3)
+    ep_size = num_local_experts and config.num_moe_experts // num_local_experts
+    return module.FP8FlowMoE(
+        num_experts=config.num_moe_experts,
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.moe_ffn_hidden_size,
+        topk=config.moe_router_topk,
+        ep_group=pg_collection.ep if ep_size > 1 else None,
+        dispatcher=fp8_flow_dispatcher_backend(config) if ep_size > 1 else "local",
+        recipe=recipe,
+        recompute=MOE_EXPERT if MOE_EXPERT in (config.recompute_modules or ()) else None,
+    )
+
+
+class FP8FlowMoELayer(MoELayer):
+    """Megatron's ``MoELayer`` with dispatcher and experts replaced by one expert block.
+
+    Built from the spec like ``MoELayer`` (``submodules: MoESubmodules`` whose ``experts`` is an
+    ``ExpertBlockBuilder``); ``self.experts`` is the block (state-dict keys
+    ``mlp.experts.linear_fc1.weight0``...), ``self.token_dispatcher`` is None.
+    ``recompute_modules`` 'moe' checkpoints the whole layer as in Megatron; 'moe_expert' is the
+    block's own recompute.
+    """
+
+    def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
+                 pg_collection=None, **kwargs):
+        from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+        if submodules is None:
+            raise TypeError("FP8FlowMoELayer: submodules (MoESubmodules) is required")
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        # kwargs: 0.19's is_mtp_layer / name; MoELayer.__init__ would build Megatron's dispatcher
+        # (flex needs DeepEP at construction) and experts, so the base initialiser runs directly.
+        mtp = {"is_mtp_layer": kwargs["is_mtp_layer"]} if "is_mtp_layer" in kwargs else {}
+        BaseMoELayer.__init__(self, config=config, layer_number=layer_number,
+                              pg_collection=pg_collection, **mtp)
+        self.submodules = submodules
+        self.tp_group = pg_collection.tp
+        selective = config.recompute_granularity == "selective"
+        self.moe_layer_recompute = selective and "moe" in config.recompute_modules
+        self.shared_experts_recompute = selective and "shared_experts" in config.recompute_modules
+        self.router = submodules.router(config=config, pg_collection=pg_collection, **mtp)
+        self.experts = submodules.experts(config, self.num_local_experts, pg_collection)
+        if self.use_shared_expert:
+            self.shared_experts = _build_shared_experts(submodules.shared_experts, config,
+                                                        pg_collection)
+
+    def _moe(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor]):
+        """``[S, B, H]`` -> ``[S, B, H]``: route, expert block, shared experts."""
+        shared = None
+        if self.use_shared_expert:
+            if self.shared_experts_recompute:
+                shared = tensor_parallel.checkpoint(self.shared_experts, False, hidden_states)
+            else:
+                shared = self.shared_experts(hidden_states)
+        probs, routing_map = self.router(hidden_states, padding_mask)
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        output = self.experts(tokens, probs, routing_map).view(hidden_states.shape)
+        return output if shared is None else output + shared
+
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,
+                padding_mask: Optional[torch.Tensor] = None):
+        """``hidden_states [S, B, H]`` -> ``(output [S, B, H], None)`` as ``MoELayer.forward``."""
+        if intermediate_tensors is not None:
+            raise ValueError("FP8FlowMoELayer does not support partial CUDA-graph capture of the "
+                             "MoE layer (intermediate_tensors); capture whole layers or none")
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()
+        if self.moe_layer_recompute:
+            output = tensor_parallel.checkpoint(self._moe, False, hidden_states, padding_mask)
+        else:
+            output = self._moe(hidden_states, padding_mask)
+        return output, None
+
+    def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False):
+        """Delayed weight gradients are not split out of the FP8-Flow block."""
+        raise NotImplementedError("FP8FlowMoELayer computes weight gradients in backward; "
+                                  "delay_wgrad_compute is not supported with moe_fp8_flow")
+
+
+def _build_shared_experts(spec, config, pg_collection):
+    """0.16 passes a ModuleSpec, 0.19 a builder callable."""
+    if isinstance(spec, ModuleSpec):
+        return build_module(spec, config=config, pg_collection=pg_collection,
+                            gate=config.moe_shared_expert_gate)
+    return spec(config=config, pg_collection=pg_collection, gate=config.moe_shared_expert_gate)
+
+
+def _swap_mlp(mlp, block_builder: ExpertBlockBuilder):
+    """The FP8-Flow version of one layer's ``mlp`` spec, or None if it is not an MoE layer."""
+    if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:  # megatron-core 0.16
+        submodules = dataclasses.replace(mlp.submodules, experts=block_builder)
+        return dataclasses.replace(mlp, module=FP8FlowMoELayer, submodules=submodules)
+    if isinstance(mlp, functools.partial) and mlp.func is MoELayer:  # megatron-core 0.19
+        keywords = dict(mlp.keywords)
+        keywords["submodules"] = dataclasses.replace(keywords["submodules"],
+                                                     experts=block_builder)
+        return functools.partial(FP8FlowMoELayer, *mlp.args, **keywords)
+    return None
+
+
+def _swap_layer(layer_spec, block_builder: ExpertBlockBuilder):
+    submodules = getattr(layer_spec, "submodules", None)
+    mlp = _swap_mlp(getattr(submodules, "mlp", None), block_builder)
+    if mlp is None:
+        return layer_spec, False
+    return dataclasses.replace(layer_spec,
+                               submodules=dataclasses.replace(submodules, mlp=mlp)), True
+
+
+def fp8_flow_layer_spec(spec, config, block_builder: ExpertBlockBuilder = build_fp8_flow_block):
+    """A copy of ``spec`` whose MoE layers are ``FP8FlowMoELayer`` when ``config.moe_fp8_flow``.
+
+    ``spec``: a transformer-layer ``ModuleSpec`` or ``TransformerBlockSubmodules`` (with
+    ``layer_specs``) from Megatron's GPT spec helpers; returned unchanged when
+    ``config.moe_fp8_flow`` is False. Raises ValueError when FP8-Flow is on but no layer is MoE.
+    """
+    if not config.moe_fp8_flow:
+        return spec
+    if hasattr(spec, "layer_specs"):
+        swapped = [_swap_layer(layer, block_builder) for layer in spec.layer_specs]
+        found = any(done for _, done in swapped)
+        spec = dataclasses.replace(spec, layer_specs=[layer for layer, _ in swapped])
+    else:
+        spec, found = _swap_layer(spec, block_builder)
+    if not found:
+        raise ValueError("moe_fp8_flow: the layer spec has no MoELayer to replace; build the spec "
+                         "with num_experts set (get_gpt_layer_local_spec / _with_transformer_"
+                         "engine_spec / get_gpt_decoder_block_spec)")
+    return spec

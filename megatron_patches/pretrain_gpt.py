@@ -1,0 +1,117 @@
+"""``python -m megatron_patches.pretrain_gpt <Megatron args>``: GPT-MoE pretraining with FP8-Flow.
+
+Where ``megatron.training`` is importable (megatron-core >= 0.19, or a Megatron-LM checkout of
+that API), the patches are applied and Megatron's own ``pretrain`` runs with our
+``extra_args_provider``, a layer spec passed through ``fp8_flow_layer_spec``, and the standard
+library's sources as byte tokens (``--tokenizer-type NullTokenizer --vocab-size 256`` are the
+defaults). Otherwise (megatron-core 0.16.1) ``compact_loop`` trains on the CPU with the same
+argument names for the subset it implements.
+"""
+
+import functools
+import importlib.util
+import inspect
+import sys
+
+import torch
+
+from . import apply
+from .arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
+from .data import VOCAB_SIZE, ByteStream, stdlib_bytes
+
+
+class _StdlibTextDataset(torch.utils.data.Dataset):
+    """``num_samples`` windows of ``ByteStream`` from ``offset`` as Megatron GPT batches
+    (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, each ``[seq_length]``)."""
+
+    def __init__(self, stream: ByteStream, offset: int, num_samples: int):
+        self.stream, self.offset, self.num_samples = stream, offset, num_samples
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, index):
+        tokens, labels = self.stream.batch(self.offset + index, 1)
+        return {"tokens": tokens[0], "labels": labels[0],
+                "loss_mask": torch.ones(tokens.shape[1]),
+                "position_ids": torch.arange(tokens.shape[1])}
+
+
+def _datasets_provider(num_samples, vp_stage=None):
+    """Train / valid / test datasets: disjoint ranges of the standard-library byte stream."""
+    from megatron.training import get_args
+
+    args = get_args()
+    stream = ByteStream(stdlib_bytes(64 << 20), args.seq_length)
+    offsets = (0, num_samples[0], num_samples[0] + num_samples[1])
+    return tuple(_StdlibTextDataset(stream, o, n) for o, n in zip(offsets, num_samples))
+
+
+def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Megatron's three-value loss contract: (summed loss, token count, report)."""
+    losses = output.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    total = (losses * mask).sum()
+    count = mask.sum().to(torch.int)
+    return total, count, {"lm loss": torch.stack([total.detach(), mask.sum()])}
+
+
+def _forward_step(data_iterator, model):
+    batch = {k: v.cuda(non_blocking=True) for k, v in next(data_iterator).items()}
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(_loss, batch["loss_mask"])
+
+
+def _fp8_flow_spec_builder(base):
+    """A ``GPTModelConfig.transformer_layer_spec`` callable: Megatron's spec (``base``: None for
+    the default, a spec, or a callable), then ``fp8_flow_layer_spec``."""
+    from megatron.training.models.gpt import default_layer_spec
+
+    from .experts import fp8_flow_layer_spec
+
+    def build(model_config, vp_stage=None):
+        spec = base
+        if spec is None:
+            spec = default_layer_spec(model_config, vp_stage)
+        elif callable(spec) and not hasattr(spec, "submodules"):
+            takes_vp = "vp_stage" in inspect.signature(spec).parameters
+            spec = spec(model_config, vp_stage=vp_stage) if takes_vp else spec(model_config)
+        return fp8_flow_layer_spec(spec, model_config.transformer)
+
+    return build
+
+
+def megatron_pretrain() -> None:
+    """Megatron's own ``pretrain`` (megatron-core 0.19 API) with the FP8-Flow patches."""
+    apply()
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import (gpt_config_from_args,
+                                                  pretrain_cfg_container_from_args)
+    from megatron.training.arguments import parse_and_validate_args
+
+    args = parse_and_validate_args(
+        extra_args_provider=add_fp8_flow_args,
+        args_defaults={"tokenizer_type": "NullTokenizer", "vocab_size": VOCAB_SIZE})
+    validate_fp8_flow_args(args)
+    resolve_fp8_flow_format(args)
+    model_config = gpt_config_from_args(args)
+    model_config.transformer_layer_spec = _fp8_flow_spec_builder(
+        model_config.transformer_layer_spec)
+    _datasets_provider.is_distributed = True
+    pretrain(pretrain_cfg_container_from_args(args, model_config), _datasets_provider,
+             ModelType.encoder_or_decoder, _forward_step)
+
+
+def main(argv=None) -> None:
+    """Megatron's ``pretrain`` where ``megatron.training`` exists, else the compact CPU loop."""
+    if importlib.util.find_spec("megatron.training") is not None:
+        megatron_pretrain()
+        return
+    from .compact_loop import parse_args, train
+
+    train(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()

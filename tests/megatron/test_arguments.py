@@ -1,0 +1,94 @@
+"""Flag parsing and the FP8-Flow combination rules (command line and TransformerConfig)."""
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install megatron-core==0.16.1)")
+
+import argparse
+
+import torch
+
+import megatron_patches
+from megatron_patches.arguments import add_fp8_flow_args, validate_fp8_flow_args
+from megatron_patches.compact_loop import parse_args
+
+FULL = ("--fp8-format e4m3 --fp8-recipe blockwise --moe-fp8-flow --recompute-granularity selective "
+        "--recompute-modules moe_expert --moe-token-dispatcher-type flex --moe-grouped-gemm").split()
+MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --num-experts 4 "
+         "--micro-batch-size 2 --train-iters 2 --swiglu --disable-bias-linear").split()
+
+
+def test_full_flag_set_parses():
+    args = parse_args(MODEL + FULL)
+    assert args.moe_fp8_flow and args.fp8_recipe == "blockwise" and args.moe_grouped_gemm
+    assert args.recompute_modules == ["moe_expert"] and args.moe_token_dispatcher_type == "flex"
+    # Without TransformerEngine the format moves to the experts and the dense layers run BF16.
+    assert (args.fp8, args.moe_fp8_flow_format) in ((None, "e4m3"), ("e4m3", None))
+
+
+def test_extra_args_provider_adds_help_once():
+    parser = add_fp8_flow_args(add_fp8_flow_args(argparse.ArgumentParser()))
+    assert "blockwise" in parser._option_string_actions["--moe-fp8-flow"].help
+    assert parser.parse_args(["--moe-fp8-flow"]).moe_fp8_flow
+
+
+@pytest.mark.parametrize("drop, message", [
+    ("--fp8-recipe blockwise", "--fp8-recipe 'blockwise'"),
+    ("--moe-grouped-gemm", "requires --moe-grouped-gemm"),
+    ("--recompute-granularity selective", "requires --recompute-granularity 'selective'"),
+    ("--fp8-format e4m3", "FP8 format"),
+], ids=["recipe", "grouped-gemm", "granularity", "format"])
+def test_rejected_combinations(drop, message, capsys):
+    argv = " ".join(MODEL + FULL).replace(drop, "").split()
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_rules_by_flag_name():
+    args = argparse.Namespace(moe_fp8_flow=True, fp8=None, fp8_recipe="delayed", num_experts=None,
+                              moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+                              swiglu=False, add_bias_linear=True, recompute_granularity=None,
+                              recompute_modules=["moe", "moe_expert"])
+    with pytest.raises(ValueError) as error:
+        validate_fp8_flow_args(args)
+    text = str(error.value)
+    for needle in ("--num-experts", "--fp8-recipe", "--moe-grouped-gemm", "--swiglu",
+                   "--disable-bias-linear", "--moe-token-dispatcher-type", "choose one"):
+        assert needle in text
+
+
+def test_unsupported_megatron_flag_is_named(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(MODEL + ["--sequence-parallel"])
+    assert "--sequence-parallel" in capsys.readouterr().err
+
+
+def test_apply_is_idempotent_and_config_accepts_moe_expert():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    assert megatron_patches.apply() == megatron_patches.apply()
+    init, post = TransformerConfig.__init__, TransformerConfig.__post_init__
+    megatron_patches.apply()
+    assert (TransformerConfig.__init__, TransformerConfig.__post_init__) == (init, post)
+    assert torch.cuda.current_device() == torch.device("cpu") or torch.cuda.is_available()
+    config = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+        add_bias_linear=False, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+        moe_fp8_flow=True, moe_fp8_flow_format="hybrid", fp8_recipe="blockwise",
+        moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",
+        recompute_granularity="selective", recompute_modules=["moe_expert", "core_attn"])
+    assert config.moe_fp8_flow and "moe_expert" in config.recompute_modules
+    with pytest.raises(ValueError, match="it requires moe_fp8_flow"):
+        TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                          recompute_granularity="selective", recompute_modules=["moe_expert"])
+
+
+def test_unsupported_version_is_named(monkeypatch):
+    from megatron.core import package_info
+
+    from megatron_patches.config import megatron_core_version
+
+    monkeypatch.setattr(package_info, "__version__", "0.14.0")
+    with pytest.raises(RuntimeError, match=r"0\.16\.1 or 0\.19\.x; found megatron-core 0\.14\.0"):
+        megatron_core_version()

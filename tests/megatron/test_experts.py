@@ -1,0 +1,114 @@
+"""The expert swap: FP8FlowMoELayer in place of Megatron's MoELayer, driven through the adapter
+interface by a plain BF16 block (the FP8FlowMoE block plugs in the same way)."""
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install megatron-core==0.16.1)")
+
+import socket
+
+import torch
+import torch.distributed as dist
+
+import megatron_patches
+
+
+class _ReferenceBlock(torch.nn.Module):
+    """Local SwiGLU experts with TE's parameter names, EP=1 only: [T, H] -> [T, H]."""
+
+    def __init__(self, config, num_local_experts, pg_collection):
+        super().__init__()
+        h, f = config.hidden_size, config.moe_ffn_hidden_size
+        self.linear_fc1 = torch.nn.Module()
+        self.linear_fc2 = torch.nn.Module()
+        for i in range(num_local_experts):
+            self.linear_fc1.register_parameter(f"weight{i}", torch.nn.Parameter(0.02 * torch.randn(2 * f, h)))
+            self.linear_fc2.register_parameter(f"weight{i}", torch.nn.Parameter(0.02 * torch.randn(h, f)))
+
+    def forward(self, hidden_states, probs, routing_map):
+        out = torch.zeros_like(hidden_states)
+        for e in range(routing_map.shape[1]):
+            rows = routing_map[:, e].nonzero().squeeze(1)
+            a, b = (hidden_states[rows] @ getattr(self.linear_fc1, f"weight{e}").t()).chunk(2, -1)
+            y = (torch.nn.functional.silu(a) * b) @ getattr(self.linear_fc2, f"weight{e}").t()
+            out.index_add_(0, rows, y * probs[rows, e, None].to(y.dtype))
+        return out
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    from megatron.core import parallel_state
+
+    megatron_patches.apply()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _config(**overrides):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    settings = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+                    moe_router_topk=2, moe_ffn_hidden_size=32, add_bias_linear=False,
+                    gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                    use_cpu_initialization=True, moe_fp8_flow=True, moe_fp8_flow_format="e4m3",
+                    fp8_recipe="blockwise", moe_grouped_gemm=True,
+                    moe_token_dispatcher_type="alltoall", recompute_granularity="selective",
+                    recompute_modules=["moe"])
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+def _model(config, block_builder):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_patches.experts import fp8_flow_layer_spec
+
+    spec = fp8_flow_layer_spec(get_gpt_layer_local_spec(num_experts=4), config, block_builder)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256,
+                    max_sequence_length=32)
+
+
+def test_swapped_layer_trains_with_te_parameter_names(world_of_one):
+    from megatron_patches.experts import FP8FlowMoELayer
+
+    model = _model(_config(), _ReferenceBlock)
+    layer = model.decoder.layers[0].mlp
+    assert type(layer) is FP8FlowMoELayer and layer.token_dispatcher is None
+    assert isinstance(layer.experts, _ReferenceBlock)
+    names = set(model.state_dict())
+    assert "decoder.layers.0.mlp.experts.linear_fc1.weight3" in names
+    assert "decoder.layers.0.mlp.router.weight" in names
+    tokens = torch.randint(0, 256, (2, 32))
+    loss = model(tokens, torch.arange(32).expand(2, -1), None, labels=tokens).mean()
+    loss.backward()
+    assert layer.experts.linear_fc2.weight0.grad is not None and layer.router.weight.grad is not None
+
+
+def test_missing_fp8_flow_block_is_reported(world_of_one):
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine_moe.module") is not None:
+        pytest.skip("transformer_engine_moe.module exists: the real block is built instead")
+    from megatron_patches.experts import build_fp8_flow_block
+
+    with pytest.raises(NotImplementedError, match="transformer_engine_moe.module.FP8FlowMoE"):
+        _model(_config(), build_fp8_flow_block)
+
+
+def test_spec_unchanged_without_fp8_flow(world_of_one):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_patches.experts import fp8_flow_layer_spec
+
+    spec = get_gpt_layer_local_spec(num_experts=4)
+    config = _config(moe_fp8_flow=False, recompute_modules=None, recompute_granularity=None)
+    assert fp8_flow_layer_spec(spec, config) is spec
+    with pytest.raises(ValueError, match="no MoELayer"):
+        fp8_flow_layer_spec(get_gpt_layer_local_spec(), _config())
