@@ -18,7 +18,8 @@ setup(
         "triton>=3.4; platform_system == 'Linux'",
     ],
     extras_require={
-        "megatron": ["megatron-core>=0.16.1"],
+        "megatron": ["megatron-core==0.16.1; python_version < '3.12'",
+                     "megatron-core>=0.19,<0.20; python_version >= '3.12'"],
         "te": ["transformer-engine[pytorch]>=2.2"],
         "test": ["pytest", "triton==3.6.0; platform_system == 'Linux'"],
     },

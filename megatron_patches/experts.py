@@ -86,6 +86,9 @@ def build_fp8_flow_block(config, num_local_experts: int, pg_collection) -> torch
         dispatcher=fp8_flow_dispatcher_backend(config) if ep_size > 1 else "local",
         recipe=recipe,
         recompute=MOE_EXPERT if MOE_EXPERT in (config.recompute_modules or ()) else None,
+        init_method=config.init_method,
+        output_init_method=config.output_layer_init_method,
+        params_dtype=config.params_dtype if config.params_dtype != torch.float16 else torch.bfloat16,
     )
 
 

@@ -35,11 +35,11 @@ def step(model, x, ids, probs, seed=0):
     for p in model.parameters():
         p.grad = None
     xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    nbytes, y = saved_activation_bytes(lambda: model(xi, ids, pi))
+    nbytes, y = saved_activation_bytes(lambda: model.forward_topk(xi, ids, pi))
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
     y.backward(dy)
     grads = lambda lin: [w.grad.clone() if w.grad is not None else torch.zeros_like(w) for w in lin.weights]
-    return y.detach(), xi.grad, pi.grad, grads(model.fc1), grads(model.fc2), nbytes
+    return y.detach(), xi.grad, pi.grad, grads(model.linear_fc1), grads(model.linear_fc2), nbytes
 
 
 def pair(**kw):
@@ -93,8 +93,9 @@ def test_routing_corner_cases(case):
     [
         (dict(precision="fp16"), None, ValueError, "precision must be one of"),
         (dict(recompute="moe_mlp"), None, ValueError, "recompute must be None or 'moe_expert'"),
-        ({}, lambda m: m(torch.randn(4, 128).bfloat16(), *batch(0, t=4)[1:]), ValueError, "256 features"),
-        ({}, lambda m: m(torch.randn(4, H).bfloat16(), torch.zeros(4, 3, dtype=torch.long), torch.rand(4, 3)),
+        ({}, lambda m: m.forward_topk(torch.randn(4, 128).bfloat16(), *batch(0, t=4)[1:]), ValueError,
+         "256 features"),
+        ({}, lambda m: m.forward_topk(torch.randn(4, H).bfloat16(), torch.zeros(4, 3, dtype=torch.long), torch.rand(4, 3)),
          ValueError, r"topk_ids must be \[T, topk=2\]"),
     ],
     ids=["precision", "recompute", "hidden", "topk"],
@@ -118,7 +119,7 @@ def _worker(rank, world, port, out_dir):
         full = FP8FlowMoE(E, H, FFN, K, align_size=128)
         model = FP8FlowMoE(E, H, FFN, K, ep_group=group, align_size=128)
         el = E // ep
-        state = {f"{fc}.weight{j}": full.state_dict()[f"{fc}.weight{me * el + j}"] for fc in ("fc1", "fc2")
+        state = {f"{fc}.weight{j}": full.state_dict()[f"{fc}.weight{me * el + j}"] for fc in ("linear_fc1", "linear_fc2")
                  for j in range(el)}
         model.load_state_dict(state)
         x, ids, probs = batch(10 + ep)
@@ -158,3 +159,13 @@ def test_expert_parallel_matches_ep1(tmp_path):
             assert rel(torch.tensor(res["y"]), y) < 1e-2
             assert rel(torch.tensor(res["dx"]), dx) < 1e-2
             assert rel(torch.tensor(res["dp"]), dp) < 1e-2
+
+
+def test_megatron_router_format_equals_topk_format():
+    """forward(hidden, probs [T, E], routing_map [T, E]) (Megatron's router) == forward_topk (DeepEP's)."""
+    fp8, _ = pair()
+    x, ids, probs = batch(5)
+    dense = torch.zeros(T, E).scatter(1, ids, probs)
+    a = fp8(x, dense, dense > 0)
+    b = fp8.forward_topk(x, ids, probs)
+    assert torch.equal(a, b)

@@ -90,7 +90,7 @@ def _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, end_row, fi
 @triton.jit
 def _grouped_wgrad_kernel(
     at_ptr, ats_ptr, bt_ptr, bts_ptr, c_ptr, sizes_ptr, num_groups, M, N, K,
-    MAX_GROUPS: tl.constexpr, ACCUMULATE: tl.constexpr, INTERPRET: tl.constexpr,
+    MAX_GROUPS: tl.constexpr, ACCUMULATE: tl.constexpr, INTERPRET: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """One [BLOCK_N, BLOCK_K] tile of C_g [N, K] (float32; N % BLOCK_N == K % BLOCK_K == 0), reducing over
@@ -125,7 +125,7 @@ def _grouped_wgrad_kernel(
     c = c_ptr + g.to(tl.int64) * N * K + n_rows.to(tl.int64)[:, None] * K + k_rows[None, :]
     if ACCUMULATE:
         acc += tl.load(c)
-    tl.store(c, acc)
+    tl.store(c, cast_for_store(acc, c_ptr.dtype.element_ty, SOFTWARE_CAST))
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, trans_b: bool, out_dtype=torch.bfloat16, config=None):
@@ -157,22 +157,23 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, trans_b: bool, out_dt
     return c
 
 
-def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False, config=None):
+def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
+                       out_dtype=torch.float32, config=None):
     """``a_t [N, M]``, ``b_t [K, M]`` FP8 columnwise with block-major 128x1 scales ``[num_column_blocks, N]``
-    and ``[.., K]`` grouped by ``m_splits`` -> ``C [G, N, K]`` float32 (written into ``out``, or added to it
-    when ``accumulate``). N and K multiples of the block shape (128)."""
+    and ``[.., K]`` grouped by ``m_splits`` -> ``C [G, N, K]`` in ``out_dtype`` (written into ``out``, or
+    added to it when ``accumulate``, float32). N and K multiples of the block shape (128)."""
     n, m = a_t.shape
     k = b_t.shape[0]
     sizes, g, _, max_groups = group_sizes_arg(m_splits, a_t.device)
     if out is None:
-        out = torch.empty((g, n, k), dtype=torch.float32, device=a_t.device)
+        out = torch.empty((g, n, k), dtype=out_dtype, device=a_t.device)
     if g == 0 or n == 0 or k == 0:
         return out
     block_n, block_k, num_warps, num_stages = config or WGRAD_CONFIG
     grid = (g * (n // block_n) * (k // block_k),)
     _grouped_wgrad_kernel[grid](
         a_t, a_t_scale_inv, b_t, b_t_scale_inv, out, sizes, g, m, n, k,
-        MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), INTERPRET=not a_t.is_cuda,
+        MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), INTERPRET=not a_t.is_cuda, SOFTWARE_CAST=not a_t.is_cuda,
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
     )
     return out

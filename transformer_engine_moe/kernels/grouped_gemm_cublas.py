@@ -55,18 +55,19 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, trans_b: bool, out_dt
     return c
 
 
-def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False, config=None):
+def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
+                       out_dtype=torch.float32, config=None):
     """As ``kernels.grouped_gemm.grouped_gemm_wgrad`` (groups of 512-multiple sizes, host list)."""
     n, k = a_t.shape[0], b_t.shape[0]
     if out is None:
-        out = torch.empty((len(m_splits), n, k), dtype=torch.float32, device=a_t.device)
+        out = torch.empty((len(m_splits), n, k), dtype=out_dtype, device=a_t.device)
     lo = blk = 0
     for g, size in enumerate(m_splits):
         nb = size // 128
         if size:
             c = torch._scaled_mm(
                 a_t[:, lo:lo + size], b_t[:, lo:lo + size].t(), a_t_scale_inv[blk:blk + nb].t(),
-                b_t_scale_inv[blk:blk + nb], out_dtype=torch.float32,
+                b_t_scale_inv[blk:blk + nb], out_dtype=out.dtype,
             )
             if accumulate:
                 out[g] += c

@@ -68,13 +68,14 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if any(ctx.needs_input_grad[6:]) or module.fuse_wgrad_accumulation:
             dy_t = scaling_aware_transpose(dy, m_splits)
             x_t = scaling_aware_transpose(x, m_splits)
-            wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, backend=module.backend)
             if module.fuse_wgrad_accumulation:
+                wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, backend=module.backend)
                 torch._foreach_add_([w.main_grad for w in ctx.weights], list(wgrad.unbind(0)))
                 for w in ctx.weights:
                     w.grad_added_to_main_grad = True
-            else:
-                dweights = [g.to(w.dtype) for g, w in zip(wgrad.unbind(0), ctx.weights)]
+            else:  # written in the weights' dtype: no FP32 [G, N, K] buffer
+                dweights = list(grouped_gemm_wgrad(dy_t, x_t, m_splits, out_dtype=ctx.weights[0].dtype,
+                                                   backend=module.backend).unbind(0))
         dbias = None
         if ctx.has_bias:
             rows = torch.repeat_interleave(

@@ -1,7 +1,8 @@
 """FP8FlowMoE: the expert block of an MoE layer, FP8 from dispatch to fc2's input.
 
-``forward(hidden [T, H] BF16, topk_ids [T, k], topk_probs [T, k]) -> [T, H] BF16``; the router
-stays outside, as in Megatron. Phases (methods named after them, so recompute can wrap one):
+``forward(hidden [T, H] BF16, probs [T, E], routing_map [T, E]) -> [T, H] BF16`` with Megatron's
+router output, or ``forward_topk(hidden, topk_ids [T, k], topk_probs [T, k])`` with DeepEP's; the
+router stays outside, as in Megatron. Phases (methods named after them, so recompute can wrap one):
 
 1. ``quantize``: the tokens once, 1x128 E4M3 with power-of-two scales (cast 1 of 2);
 2. ``dispatch``: FP8 rows + scales + top-k ids + probs to the experts' ranks;
@@ -26,7 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..dispatch import get_dispatcher
-from ..ops.permute import moe_permute_and_pad_with_probs, moe_unpermute, topk_to_routing_map
+from ..ops.permute import (
+    moe_permute_and_pad_with_probs,
+    moe_unpermute,
+    routing_map_to_topk,
+    topk_to_routing_map,
+)
 from ..ops.quantize import QuantizeArgs, quantize_with_args
 from ..ops.swiglu import weighted_swiglu_quant
 from ..recipe import FP8FlowRecipe, Role
@@ -56,7 +62,9 @@ class FP8FlowMoE(nn.Module):
         recompute: None or ``"moe_expert"``.
         align_size: experts' rows padded to a multiple of this (512: every GEMM takes the cuBLAS
             path, docs/grouped_gemm.md).
-    Parameters: ``fc1.weight{i}`` ``[2F, H]`` (gate rows first, then up) and ``fc2.weight{i}``
+        init_method, output_init_method: in-place initialisers of fc1's and fc2's weights (Megatron's
+            ``config.init_method`` / ``output_layer_init_method``); default: as ``GroupedLinear``.
+    Parameters: ``linear_fc1.weight{i}`` ``[2F, H]`` (gate rows first, then up) and ``linear_fc2.weight{i}``
     ``[H, F]`` per local expert, as Megatron's TE grouped experts name them.
     """
 
@@ -64,7 +72,7 @@ class FP8FlowMoE(nn.Module):
                  ep_group: Optional[dist.ProcessGroup] = None, dispatcher: Optional[str] = None,
                  recipe: Optional[FP8FlowRecipe] = None, precision: str = "fp8_flow",
                  recompute: Optional[str] = None, align_size: int = 512, params_dtype=torch.bfloat16,
-                 device=None, gemm_backend: str = "auto", init_method=None):
+                 device=None, gemm_backend: str = "auto", init_method=None, output_init_method=None):
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -81,10 +89,11 @@ class FP8FlowMoE(nn.Module):
         name = dispatcher or ("local" if ep_group is None else "alltoall")
         self.dispatcher = get_dispatcher(name, ep_group, num_experts=num_experts,
                                          **({} if name == "local" else {"recipe": self.recipe}))
-        common = dict(params_dtype=params_dtype, device=device, recipe=self.recipe, backend=gemm_backend,
-                      init_method=init_method)
-        self.fc1 = GroupedLinear(self.num_local_experts, hidden_size, 2 * ffn_hidden_size, **common)
-        self.fc2 = GroupedLinear(self.num_local_experts, ffn_hidden_size, hidden_size, **common)
+        common = dict(params_dtype=params_dtype, device=device, recipe=self.recipe, backend=gemm_backend)
+        self.linear_fc1 = GroupedLinear(self.num_local_experts, hidden_size, 2 * ffn_hidden_size,
+                                        init_method=init_method, **common)
+        self.linear_fc2 = GroupedLinear(self.num_local_experts, ffn_hidden_size, hidden_size,
+                                        init_method=output_init_method or init_method, **common)
 
     # ------------------------------------------------------------------ phases
     def quantize(self, hidden: torch.Tensor):
@@ -110,27 +119,38 @@ class FP8FlowMoE(nn.Module):
             x = x.split([total, x.shape[0] - total])[0]
             probs = probs[:total]
         if self.precision == "bf16":
-            h = _bf16_grouped_linear(x, self.fc1.weights, padded)
+            h = _bf16_grouped_linear(x, self.linear_fc1.weights, padded)
             act = weighted_swiglu(h, probs).to(h.dtype)
-            y = _bf16_grouped_linear(act, self.fc2.weights, padded)
+            y = _bf16_grouped_linear(act, self.linear_fc2.weights, padded)
         else:
-            h = self.fc1(x, padded)
+            h = self.linear_fc1(x, padded)
             act = weighted_swiglu_quant(h, probs, self.recipe)
-            y = self.fc2(act, padded)
+            y = self.linear_fc2(act, padded)
         return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets)
 
     def combine(self, y: torch.Tensor, handle) -> torch.Tensor:
         return self.dispatcher.combine(y, handle)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> torch.Tensor:
-        """``hidden [T, H]`` BF16, ``topk_ids [T, k]`` int64 global expert ids, ``topk_probs [T, k]``
-        float32 -> ``[T, H]`` BF16."""
+    def forward(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """``hidden [T, H]`` BF16 with Megatron's router output: ``probs [T, E]`` (zero off the routed
+        experts), ``routing_map [T, E]`` bool -> ``[T, H]`` BF16."""
+        topk_ids, topk_probs = routing_map_to_topk(probs, routing_map, self.topk)
+        return self.forward_topk(hidden, topk_ids, topk_probs)
+
+    def forward_topk(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> torch.Tensor:
+        """``hidden [T, H]`` BF16 (FP32: cast to BF16 at entry and the output back), ``topk_ids [T, k]``
+        int64 global expert ids (-1: unused slot), ``topk_probs [T, k]`` float32 -> ``[T, H]``."""
         if not isinstance(hidden, torch.Tensor) or isinstance(hidden, Float8BlockwiseQTensor) or hidden.dim() != 2:
             raise TypeError(f"hidden must be a 2-D BF16 tensor [T, H], got {type(hidden).__name__} "
                             f"{list(getattr(hidden, 'shape', []))}")
-        if hidden.shape[1] != self.fc1.in_features:
-            raise ValueError(f"hidden must have {self.fc1.in_features} features, got shape {list(hidden.shape)}")
+        if hidden.dtype == torch.float32:
+            return self.forward_topk(hidden.bfloat16(), topk_ids, topk_probs).float()
+        if hidden.dtype != torch.bfloat16:
+            raise TypeError(f"hidden must be BF16 or FP32, got {hidden.dtype}")
+        if hidden.shape[1] != self.linear_fc1.in_features:
+            raise ValueError(f"hidden must have {self.linear_fc1.in_features} features, got shape "
+                             f"{list(hidden.shape)}")
         if topk_ids.dim() != 2 or topk_ids.shape[1] != self.topk:
             raise ValueError(f"topk_ids must be [T, topk={self.topk}], got {list(topk_ids.shape)}")
         res = self.dispatch(self.quantize(hidden), topk_ids, topk_probs.float())

@@ -6,8 +6,10 @@ from .permute import (
     moe_permute_and_pad_with_probs,
     moe_permute_with_probs,
     moe_unpermute,
+    routing_map_to_topk,
     topk_to_routing_map,
 )
+from .grouped_gemm import grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
 from .quantize import QuantizeArgs, quantize_blockwise
 from .swiglu import weighted_swiglu_quant
 from .transpose import scaling_aware_transpose
@@ -15,12 +17,16 @@ from .transpose import scaling_aware_transpose
 __all__ = [
     "QuantizeArgs",
     "dequantize_blockwise",
+    "grouped_gemm",
+    "grouped_gemm_wgrad",
     "moe_permute",
     "moe_permute_and_pad_with_probs",
     "moe_permute_with_probs",
     "moe_unpermute",
     "quantize_blockwise",
+    "routing_map_to_topk",
     "scaling_aware_transpose",
     "topk_to_routing_map",
+    "transpose_grouped_weight",
     "weighted_swiglu_quant",
 ]

@@ -133,11 +133,12 @@ def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_
 
 def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8BlockwiseQTensor, m_splits: MSplits, *,
                        out: Optional[torch.Tensor] = None, accumulate: bool = False,
-                       backend: str = "auto") -> torch.Tensor:
+                       out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
     """``dW[g] = grad_output[rows of g]^T @ inp[rows of g]`` -> ``[G, N, K]`` float32, from the grouped
     128x1 columnwise copies of ``grad_output [M, N]`` and ``inp [M, K]`` (scaling-aware transpose with
     these ``m_splits``). ``out``: a float32 ``[G, N, K]`` buffer written, or added to when ``accumulate``
-    (Megatron's ``main_grad`` fusion)."""
+    (Megatron's ``main_grad`` fusion); without ``out``, a new tensor in ``out_dtype`` (FP32 accumulation,
+    one rounding at the end)."""
     a, a_scale = _check_act(grad_output, "grad_output", "columnwise")
     b, b_scale = _check_act(inp, "inp", "columnwise")
     if grad_output.shape[0] != inp.shape[0]:
@@ -155,5 +156,7 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
                          f"{list(out.shape)}")
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out (the main_grad buffer)")
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
     impl = _impl(backend, a, m_splits, 0, "grouped_gemm_wgrad", wgrad=True)
-    return impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate)
+    return impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, out_dtype)

@@ -283,3 +283,21 @@ def topk_to_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_
     probs = torch.zeros((topk_idx.shape[0], num_experts), dtype=topk_weights.dtype, device=topk_idx.device)
     probs = probs.scatter_add(1, idx, torch.where(selected, topk_weights, torch.zeros_like(topk_weights)))
     return routing_map > 0, probs
+
+
+def routing_map_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int):
+    """Megatron's router output -> DeepEP's format: ``probs [T, E]`` float, ``routing_map [T, E]`` bool
+    (at most ``topk`` experts per token) -> ``(topk_idx [T, topk] int64, -1 for unused slots; topk_weights
+    [T, topk] float32)``. Differentiable in ``probs``. No host sync."""
+    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or routing_map.dim() != 2:
+        raise TypeError(f"routing_map must be a 2-D bool tensor [T, E], got "
+                        f"{getattr(routing_map, 'dtype', type(routing_map))}")
+    if not isinstance(topk, int) or not 0 < topk <= routing_map.shape[1]:
+        raise ValueError(f"topk must be an int in [1, E={routing_map.shape[1]}], got {topk!r}")
+    probs = _check_probs(probs, routing_map.shape, routing_map.device)
+    check_on_device((routing_map.sum(1) <= topk).all(), f"routing_map selects more than topk={topk} experts")
+    # the selected experts first (ties kept in expert order by a stable sort of the mask)
+    idx = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :topk]
+    selected = routing_map.gather(1, idx)
+    weights = torch.where(selected, probs.gather(1, idx), torch.zeros((), dtype=probs.dtype, device=probs.device))
+    return torch.where(selected, idx, torch.full_like(idx, -1)), weights.float()

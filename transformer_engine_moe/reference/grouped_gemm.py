@@ -34,15 +34,17 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, trans_b: bool, out_dt
     return c.to(out_dtype)
 
 
-def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False, config=None):
-    """``C_g [N, K] = A_g^T B_g`` over group g's rows of the logical ``A [M, N]``, ``B [M, K]`` (float32)."""
+def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
+                       out_dtype=torch.float32, config=None):
+    """``C_g [N, K] = A_g^T B_g`` over group g's rows of the logical ``A [M, N]``, ``B [M, K]`` (float32
+    math, then ``out_dtype``)."""
     a32 = dequantize_128x1(a_t, a_t_scale_inv, torch.float32, m_splits)
     b32 = dequantize_128x1(b_t, b_t_scale_inv, torch.float32, m_splits)
     ranges = _ranges(m_splits, a_t.shape[1])
     c = torch.stack([a32[lo:hi].t() @ b32[lo:hi] for lo, hi in ranges]) if ranges else a32.new_zeros(
         (0, a_t.shape[0], b_t.shape[0]))
     if out is None:
-        return c
+        return c.to(out_dtype)
     if accumulate:
         out += c
     else:
