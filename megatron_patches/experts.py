@@ -14,7 +14,6 @@ builder (``transformer_engine_moe.module.FP8FlowMoE``). See docs/megatron.md.
 
 import dataclasses
 import functools
-import importlib
 import importlib.util
 import warnings
 from typing import Callable, Optional, Protocol
@@ -62,21 +61,25 @@ def fp8_flow_dispatcher_backend(config) -> str:
 def build_fp8_flow_block(config, num_local_experts: int, pg_collection) -> torch.nn.Module:
     """The production ``ExpertBlockBuilder``: ``transformer_engine_moe.module.FP8FlowMoE``.
 
-    Raises NotImplementedError while that module does not exist yet (issue 7).
+    Each EP rank initialises its experts from its own seed (``initial_seed + 1 + ep_rank``), as
+    Megatron's expert-parallel RNG does, so ranks never hold copies of one another's experts.
     """
-    module = None
-    if importlib.util.find_spec("transformer_engine_moe.module") is not None:
-        module = importlib.import_module("transformer_engine_moe.module")
-    if module is None or not hasattr(module, "FP8FlowMoE"):
-        raise NotImplementedError(
-            "FP8-Flow experts need transformer_engine_moe.module.FP8FlowMoE (the FP8-Flow MoE "
-            "block of issue 7), which this installation lacks; run without --moe-fp8-flow"
-        )
+    from transformer_engine_moe import module
+
+    ep_size = num_local_experts and config.num_moe_experts // num_local_experts
+    if ep_size <= 1:
+        return _fp8_flow_block(module, config, pg_collection, ep_size)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(torch.initial_seed() + 1 + torch.distributed.get_rank(pg_collection.ep))
+        return _fp8_flow_block(module, config, pg_collection, ep_size)
+
+
+def _fp8_flow_block(module, config, pg_collection, ep_size: int) -> torch.nn.Module:
     from transformer_engine_moe.recipe import Format, FP8FlowRecipe
 
     fp8_format = config.moe_fp8_flow_format or config.fp8
     recipe = FP8FlowRecipe(fp8_format=Format.HYBRID if fp8_format == "hybrid" else Format.E4M3)
-    ep_size = num_local_experts and config.num_moe_experts // num_local_experts
     return module.FP8FlowMoE(
         num_experts=config.num_moe_experts,
         hidden_size=config.hidden_size,

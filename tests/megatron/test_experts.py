@@ -91,15 +91,16 @@ def test_swapped_layer_trains_with_te_parameter_names(world_of_one):
     assert layer.experts.linear_fc2.weight0.grad is not None and layer.router.weight.grad is not None
 
 
-def test_missing_fp8_flow_block_is_reported(world_of_one):
-    import importlib.util
-
-    if importlib.util.find_spec("transformer_engine_moe.module") is not None:
-        pytest.skip("transformer_engine_moe.module exists: the real block is built instead")
+def test_production_builder_makes_the_fp8_flow_block(world_of_one):
     from megatron_patches.experts import build_fp8_flow_block
+    from transformer_engine_moe import FP8FlowMoE, Format
 
-    with pytest.raises(NotImplementedError, match="transformer_engine_moe.module.FP8FlowMoE"):
-        _model(_config(), build_fp8_flow_block)
+    model = _model(_config(hidden_size=128, moe_ffn_hidden_size=128, moe_fp8_flow_format="hybrid",
+                           recompute_modules=["moe_expert"]), build_fp8_flow_block)
+    block = model.decoder.layers[0].mlp.experts
+    assert isinstance(block, FP8FlowMoE) and block.recompute == "moe_expert"
+    assert block.recipe.fp8_format is Format.HYBRID and block.num_local_experts == 4
+    assert "decoder.layers.1.mlp.experts.linear_fc2.weight3" in model.state_dict()
 
 
 def test_spec_unchanged_without_fp8_flow(world_of_one):

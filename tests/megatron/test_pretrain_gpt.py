@@ -72,3 +72,49 @@ def test_two_steps_expert_parallel_2_and_checkpoint_round_trip(tmp_path):
             if isinstance(tensor, torch.Tensor):  # (the rest is Megatron's empty _extra_state)
                 assert torch.equal(tensor, after["model"][name]), name
         assert before["optimizer"]["state"].keys() == after["optimizer"]["state"].keys()
+
+
+FP8_FLOW = ("--fp8-format e4m3 --fp8-recipe blockwise --moe-fp8-flow --moe-grouped-gemm --moe-token-dispatcher-type "
+            "alltoall --recompute-granularity selective --recompute-modules moe_expert").split()
+FP8_MODEL = [a if a != "64" else "128" for a in MODEL] + ["--moe-ffn-hidden-size", "128"]  # 128-multiples
+
+
+def test_fp8_flow_experts_are_in_use(tmp_path, monkeypatch):
+    """Two steps with the full FP8-Flow flag set: the MoE layers are FP8FlowMoELayer with an FP8FlowMoE block,
+    and every GroupedLinear call receives a Float8BlockwiseQTensor (fc1 from permute, fc2 from SwiGLU+quant)."""
+    from megatron_patches import compact_loop
+    from megatron_patches.experts import FP8FlowMoELayer
+    from transformer_engine_moe import FP8FlowMoE, Float8BlockwiseQTensor, GroupedLinear
+
+    seen, layers = [], []
+    forward = GroupedLinear.forward
+    monkeypatch.setattr(GroupedLinear, "forward", lambda self, inp, m: seen.append(type(inp)) or forward(self, inp, m))
+    build = compact_loop.build_model
+
+    def build_and_record(args):
+        model = build(args)
+        layers.extend(m for m in model.modules() if isinstance(m, FP8FlowMoELayer))
+        return model
+
+    monkeypatch.setattr(compact_loop, "build_model", build_and_record)
+    pretrain_gpt.main(FP8_MODEL + FP8_FLOW + ["--summary-json", str(tmp_path / "s.json")])
+    summary = _summary(tmp_path / "s.json")
+    assert summary["moe_fp8_flow"]
+    assert len(layers) == 2 and all(isinstance(layer.experts, FP8FlowMoE) for layer in layers)
+    assert layers[0].experts.recompute == "moe_expert"
+    # 2 layers x 2 GEMMs x 2 steps, plus the moe_expert recompute in backward
+    assert len(seen) == 16 and all(t is Float8BlockwiseQTensor for t in seen)
+
+
+def test_fp8_flow_two_steps_expert_parallel_2(tmp_path):
+    """FP8-Flow experts at EP=2 under gloo: the block's all-to-all dispatcher sends FP8 tokens between the
+    two spawned ranks; the expert weights' checkpoint keys are TE's (linear_fc1.weight{i})."""
+    argv = FP8_MODEL + FP8_FLOW + ["--expert-model-parallel-size", "2", "--summary-json", str(tmp_path / "s.json"),
+                                   "--save", str(tmp_path / "ckpt")]
+    mp.start_processes(_run_rank, args=(2, _free_port(), argv), nprocs=2, start_method="spawn")
+    summary = _summary(tmp_path / "s.json")
+    assert summary["moe_fp8_flow"] and summary["expert_model_parallel_size"] == 2
+    states = [torch.load(f, weights_only=True)["model"]
+              for f in sorted((tmp_path / "ckpt" / "iter_0000002").iterdir())]
+    key = "decoder.layers.0.mlp.experts.linear_fc1.weight1"
+    assert all(key in s for s in states) and not torch.equal(states[0][key], states[1][key])
