@@ -64,6 +64,14 @@ def test_close_to_the_bf16_block_and_saves_less():
     assert a[5] <= 0.6 * b[5]
 
 
+def test_blockwise_casts_baseline_is_close_to_the_bf16_block():
+    fp8, ref = pair()
+    casts = FP8FlowMoE(E, H, FFN, K, align_size=128, precision="blockwise_casts")
+    casts.load_state_dict(ref.state_dict())
+    a, b = step(casts, *batch(4)), step(ref, *batch(4))
+    assert all(rel(u, v) < 0.1 for u, v in zip(a[:3], b[:3]))
+
+
 def test_moe_expert_recompute_is_bitwise_and_keeps_only_the_fp8_input():
     fp8, ref = pair()
     a = step(fp8, *batch(2))

@@ -12,7 +12,9 @@ router stays outside, as in Megatron. Phases (methods named after them, so recom
 4. ``combine``: BF16 sum back to the tokens' positions.
 
 ``precision="bf16"`` runs the same phases with the same parameters without quantization: the
-reference block of tests and benchmarks. ``recompute="moe_expert"`` keeps only the dispatched
+reference block of tests and benchmarks. ``precision="blockwise_casts"`` is today's blockwise FP8
+(TransformerEngine's Float8BlockScaling with Megatron): BF16 dispatch and permute, each GEMM quantizes
+its BF16 input and returns BF16, an unfused BF16 SwiGLU in between: the baseline FP8-Flow removes. ``recompute="moe_expert"`` keeps only the dispatched
 FP8 input (data, scales, probs, routing) for backward and reruns ``experts`` there; nothing
 is re-dispatched.
 """
@@ -40,7 +42,7 @@ from ..reference.swiglu import weighted_swiglu
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from .grouped_linear import GroupedLinear
 
-PRECISIONS = ("fp8_flow", "bf16")
+PRECISIONS = ("fp8_flow", "bf16", "blockwise_casts")
 RECOMPUTE = (None, "moe_expert")
 
 
@@ -58,7 +60,8 @@ class FP8FlowMoE(nn.Module):
         ep_group: the expert-parallel process group (None: no EP).
         dispatcher: ``"local"``, ``"alltoall"`` or ``"deepep"`` (``dispatch.get_dispatcher``); None:
             ``"local"`` without an EP group, else ``"alltoall"``.
-        recipe: ``FP8FlowRecipe``; precision: ``"fp8_flow"`` or ``"bf16"`` (reference);
+        recipe: ``FP8FlowRecipe``; precision: ``"fp8_flow"``, ``"bf16"`` (reference) or
+            ``"blockwise_casts"`` (baseline);
         recompute: None or ``"moe_expert"``.
         align_size: experts' rows padded to a multiple of this (512: every GEMM takes the cuBLAS
             path, docs/grouped_gemm.md).
@@ -97,7 +100,7 @@ class FP8FlowMoE(nn.Module):
 
     # ------------------------------------------------------------------ phases
     def quantize(self, hidden: torch.Tensor):
-        if self.precision == "bf16":
+        if self.precision != "fp8_flow":
             return hidden
         args = QuantizeArgs("1x128", self.recipe.fp8_dtype(Role.INPUT), self.recipe.power_2_scales,
                             self.recipe.amax_epsilon, True, False, "auto")
@@ -122,6 +125,10 @@ class FP8FlowMoE(nn.Module):
             h = _bf16_grouped_linear(x, self.linear_fc1.weights, padded)
             act = weighted_swiglu(h, probs).to(h.dtype)
             y = _bf16_grouped_linear(act, self.linear_fc2.weights, padded)
+        elif self.precision == "blockwise_casts":
+            h = self.linear_fc1(x, padded)
+            act = weighted_swiglu(h, probs).to(h.dtype)
+            y = self.linear_fc2(act, padded)
         else:
             h = self.linear_fc1(x, padded)
             act = weighted_swiglu_quant(h, probs, self.recipe)

@@ -10,9 +10,10 @@ weights 128x128 stacked as ``[G, N, K]``. Four backends:
   on the host, reductions in multiples of 512 (and, for wgrad, groups of
   multiples of 512 rows), see ``kernels/grouped_gemm_cublas.py``.
 - ``"reference"``: plain PyTorch in float32 (the oracle, and the CPU path).
-- ``"auto"``: cuBLAS where it applies (measured 2.1x faster for fprop/dgrad and
-  4.5-6x for wgrad than our Triton kernels on an H200, docs/grouped_gemm.md),
-  Triton for device-tensor splits, the reference on CPU.
+- ``"auto"``: cuBLAS where it applies and experts average at least
+  ``CUBLAS_MIN_MEAN_ROWS`` rows (measured 1.8x faster for fprop/dgrad and 1.4x for
+  wgrad than our Triton kernels on an H200 at DeepSeek-V3 shapes, docs/grouped_gemm.md),
+  else Triton on the GPU; the reference on CPU.
 
 Alignment: K and N multiples of 128 (the weights' 128x128 blocks); groups may
 have any size, 0 included.
@@ -29,6 +30,9 @@ from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from .backend import check_on_device, use_triton
 
 GEMM_BACKENDS = ("auto", "triton", "cublas", "reference")
+# "auto" takes cuBLAS only for experts this large on average: below it the per-expert launches cost more
+# host time than their GPU time (128 experts of ~512 rows: 512 launches, 89 ms step for 65 ms of GPU work).
+CUBLAS_MIN_MEAN_ROWS = 2048
 
 
 def _impl(backend: str, tensor: torch.Tensor, m_splits, reduction: int, op: str, wgrad: bool = False):
@@ -47,7 +51,7 @@ def _impl(backend: str, tensor: torch.Tensor, m_splits, reduction: int, op: str,
                 + " (torch 2.11's cuBLAS blockwise GEMM is silently wrong otherwise); use 'triton'"
             )
         return cublas
-    if backend == "auto" and tensor.is_cuda and ok:
+    if backend == "auto" and tensor.is_cuda and ok and sum(m_splits) >= CUBLAS_MIN_MEAN_ROWS * len(m_splits):
         return cublas
     if use_triton("auto" if backend == "auto" else backend, tensor, op):
         from ..kernels import grouped_gemm as kernels
