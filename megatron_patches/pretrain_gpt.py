@@ -38,13 +38,14 @@ class _StdlibTextDataset(torch.utils.data.Dataset):
 
 
 def _datasets_provider(num_samples, vp_stage=None):
-    """Train / valid / test datasets: disjoint ranges of the standard-library byte stream."""
+    """Train / valid / test datasets: disjoint ranges of the standard-library byte stream (None for a
+    split of 0 samples: Megatron builds no loader for it)."""
     from megatron.training import get_args
 
     args = get_args()
     stream = ByteStream(stdlib_bytes(64 << 20), args.seq_length)
     offsets = (0, num_samples[0], num_samples[0] + num_samples[1])
-    return tuple(_StdlibTextDataset(stream, o, n) for o, n in zip(offsets, num_samples))
+    return tuple(_StdlibTextDataset(stream, o, n) if n else None for o, n in zip(offsets, num_samples))
 
 
 def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -81,9 +82,19 @@ def _fp8_flow_spec_builder(base):
     return build
 
 
+def _use_prebuilt_dataset_helpers() -> None:
+    """megatron-core wheels ship ``helpers_cpp`` compiled, without the Makefile Megatron's initialisation
+    runs ``make`` with (it then exits): skip the compilation when the compiled module is there."""
+    from megatron.core.datasets import utils
+
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
+        utils.compile_helpers = lambda: None
+
+
 def megatron_pretrain() -> None:
     """Megatron's own ``pretrain`` (megatron-core 0.19 API) with the FP8-Flow patches."""
     apply()
+    _use_prebuilt_dataset_helpers()
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import (gpt_config_from_args,
