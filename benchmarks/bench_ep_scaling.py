@@ -10,15 +10,21 @@ dispatcher backend (``alltoall`` over NCCL; ``deepep`` when ``deep_ep`` imports)
 - the expert block forward+backward at 8192 tokens per rank: FP8-Flow vs the BF16 block (same
   parameters), step time, tokens/s per GPU, peak memory.
 
-Run on a multi-GPU machine: ``python benchmarks/bench_ep_scaling.py``.
+Each run first checks correctness at a small size (hidden 512, 16 experts): every rank's block output and
+input gradient against an EP=1 block holding all experts (same parameters), on the same tokens.
+
+Run on a multi-GPU machine: ``python benchmarks/bench_ep_scaling.py``; ``--cpu [--world N]`` runs the same
+script over gloo on CPU processes (the correctness check, and timings at toy sizes that mean nothing).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import socket
 import statistics
+import time
 import warnings
 
 import torch
@@ -29,35 +35,38 @@ from transformer_engine_moe import FP8FlowMoE, get_dispatcher, quantize_blockwis
 
 import utils
 
-HIDDEN, FFN, EXPERTS, TOPK = 7168, 2048, 256, 8
-DISPATCH_TOKENS = (4096, 16384)
-BLOCK_TOKENS = 8192
+GPU_SIZES = dict(hidden=7168, ffn=2048, experts=256, topk=8, dispatch_tokens=(4096, 16384), block_tokens=8192)
+CPU_SIZES = dict(hidden=256, ffn=128, experts=16, topk=4, dispatch_tokens=(64,), block_tokens=64)
+CHECK = dict(hidden=512, ffn=256, experts=16, topk=4, tokens=128)  # correctness check, every run
 
 
 def timed(fn, iters=20, warmup=3) -> float:
     """Median milliseconds of ``fn()`` over ``iters`` barrier-aligned calls."""
+    cuda = torch.cuda.is_available()
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
         dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if cuda:
+            torch.cuda.synchronize()
+        began = time.perf_counter()
         fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - began))
     return statistics.median(times)
 
 
-def routing(tokens, device):
-    probs, ids = torch.softmax(torch.randn(tokens, EXPERTS, device=device), -1).topk(TOPK)
+def routing(tokens, experts, topk, device):
+    probs, ids = torch.softmax(torch.randn(tokens, experts, device=device), -1).topk(topk)
     return ids, probs / probs.sum(1, keepdim=True)
 
 
 def host_syncs(fn) -> int:
-    """CUDA host syncs in one ``fn()`` (sync-debug warnings)."""
+    """CUDA host syncs in one ``fn()`` (sync-debug warnings); -1 on CPU."""
+    if not torch.cuda.is_available():
+        return -1
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -69,12 +78,12 @@ def host_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def dispatch_rows(backend, ep, device) -> list[dict]:
-    d = get_dispatcher(backend, dist.group.WORLD, num_experts=EXPERTS)
+def dispatch_rows(backend, ep, device, z) -> list[dict]:
+    d = get_dispatcher(backend, dist.group.WORLD, num_experts=z["experts"])
     rows = []
-    for tokens in DISPATCH_TOKENS:
-        x = torch.randn(tokens, HIDDEN, device=device, dtype=torch.bfloat16)
-        ids, probs = routing(tokens, device)
+    for tokens in z["dispatch_tokens"]:
+        x = torch.randn(tokens, z["hidden"], device=device, dtype=torch.bfloat16)
+        ids, probs = routing(tokens, z["experts"], z["topk"], device)
         res = {}
         for payload in ("bf16", "fp8"):
             send = (lambda: quantize_blockwise(x)) if payload == "fp8" else (lambda: x)
@@ -93,13 +102,14 @@ def dispatch_rows(backend, ep, device) -> list[dict]:
     return rows
 
 
-def block_rows(backend, ep, device) -> list[dict]:
+def block_rows(backend, ep, device, z) -> list[dict]:
     torch.manual_seed(0)
-    fp8 = FP8FlowMoE(EXPERTS, HIDDEN, FFN, TOPK, ep_group=dist.group.WORLD, dispatcher=backend, align_size=128,
-                     device=device)
-    x = torch.randn(BLOCK_TOKENS, HIDDEN, device=device, dtype=torch.bfloat16, requires_grad=True)
-    ids, probs = routing(BLOCK_TOKENS, device)
-    dy = torch.randn(BLOCK_TOKENS, HIDDEN, device=device, dtype=torch.bfloat16)
+    fp8 = FP8FlowMoE(z["experts"], z["hidden"], z["ffn"], z["topk"], ep_group=dist.group.WORLD, dispatcher=backend,
+                     align_size=128, device=device)
+    tokens = z["block_tokens"]
+    x = torch.randn(tokens, z["hidden"], device=device, dtype=torch.bfloat16, requires_grad=True)
+    ids, probs = routing(tokens, z["experts"], z["topk"], device)
+    dy = torch.randn(tokens, z["hidden"], device=device, dtype=torch.bfloat16)
     rows = []
     for precision in ("bf16", "fp8_flow"):
         fp8.precision = precision
@@ -108,50 +118,98 @@ def block_rows(backend, ep, device) -> list[dict]:
             fp8.forward_topk(x, ids, probs).backward(dy)
             fp8.zero_grad(set_to_none=True)
 
-        torch.cuda.reset_peak_memory_stats()
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         ms = timed(step, iters=10)
-        rows.append(dict(backend=backend, ep=ep, block=precision, tokens_per_rank=BLOCK_TOKENS, ms=ms,
-                         tokens_per_s_per_gpu=BLOCK_TOKENS / ms * 1e3,
-                         peak_gib=torch.cuda.max_memory_allocated() / 2**30))
+        rows.append(dict(backend=backend, ep=ep, block=precision, tokens_per_rank=tokens, ms=ms,
+                         tokens_per_s_per_gpu=tokens / ms * 1e3,
+                         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")))
     rows[1]["speedup_over_bf16"] = rows[0]["ms"] / rows[1]["ms"]
     rows[0]["speedup_over_bf16"] = 1.0
     return rows
 
 
-def worker(rank, world, port, queue):
+def check_rows(backend, ep, rank, device) -> list[dict]:
+    """Relative error of this rank's output and input gradient against an EP=1 block with all experts."""
+    c = CHECK
+    torch.manual_seed(0)
+    full = FP8FlowMoE(c["experts"], c["hidden"], c["ffn"], c["topk"], align_size=128, device=device)
+    model = FP8FlowMoE(c["experts"], c["hidden"], c["ffn"], c["topk"], ep_group=dist.group.WORLD,
+                       dispatcher=backend, align_size=128, device=device)
+    local = c["experts"] // ep
+    model.load_state_dict({f"{fc}.weight{j}": full.state_dict()[f"{fc}.weight{rank * local + j}"]
+                           for fc in ("linear_fc1", "linear_fc2") for j in range(local)})
+    torch.manual_seed(100 + rank)
+    x = torch.randn(c["tokens"], c["hidden"], device=device, dtype=torch.bfloat16)
+    ids, probs = routing(c["tokens"], c["experts"], c["topk"], device)
+    dy = torch.randn_like(x)
+    out = []
+    for m in (model, full):
+        xi = x.clone().requires_grad_()
+        m.forward_topk(xi, ids, probs).backward(dy)
+        out.append((m.forward_topk(x, ids, probs).detach(), xi.grad))
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()
+    return [dict(backend=backend, ep=ep, rank=rank, output_rel_err=rel(out[0][0], out[1][0]),
+                 dgrad_rel_err=rel(out[0][1], out[1][1]))]
+
+
+def worker(rank, world, port, queue, cpu):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    device = torch.device("cuda", rank)
-    backends = ["alltoall"] + (["deepep"] if importlib.util.find_spec("deep_ep") else [])
-    d_rows, b_rows = [], []
+    if cpu:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        device, z = torch.device("cpu"), CPU_SIZES
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+        device, z = torch.device("cuda", rank), GPU_SIZES
+    backends = ["alltoall"] + (["deepep"] if not cpu and importlib.util.find_spec("deep_ep") else [])
+    c_rows, d_rows, b_rows = [], [], []
     for backend in backends:
-        d_rows += dispatch_rows(backend, world, device)
-        b_rows += block_rows(backend, world, device)
+        c_rows += check_rows(backend, world, rank, device)
+        d_rows += dispatch_rows(backend, world, device, z)
+        b_rows += block_rows(backend, world, device, z)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, c_rows)
     if rank == 0:
-        queue.put((d_rows, b_rows))
+        queue.put(([r for rows in gathered for r in rows], d_rows, b_rows, z))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def main():
-    _, env, ceilings, _ = utils.start(__doc__.splitlines()[0])
-    world = torch.cuda.device_count()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU processes (toy sizes)")
+    parser.add_argument("--world", type=int, default=4, help="with --cpu: the EP size")
+    args = parser.parse_args()
+    if args.cpu:
+        env, ceilings = {"device": "CPU (gloo)", "torch": torch.__version__}, {}
+        world = args.world
+    else:
+        _, env, ceilings, _ = utils.start(__doc__.splitlines()[0])
+        world = torch.cuda.device_count()
     env["ep_size"] = world
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(worker, args=(world, port, queue), nprocs=world, join=True)
-    d_rows, b_rows = queue.get()
-    notes = (f"hidden {HIDDEN}, {EXPERTS} experts over EP={world}, top-{TOPK}; FP8 time includes the 1x128 "
-             "quantization; NCCL_NVLS_ENABLE=0.")
-    print(utils.write_results(f"bench_dispatch_ep{world}", f"Dispatch + combine, EP={world}", env, ceilings, d_rows,
-                              list(d_rows[0]), notes=notes).read_text())
-    print(utils.write_results(f"bench_ep_scaling_ep{world}", f"MoE block forward+backward, EP={world}", env,
-                              ceilings, b_rows, list(b_rows[1]), notes=notes + " Experts' rows padded to 128.")
-          .read_text())
+    mp.spawn(worker, args=(world, port, queue, args.cpu), nprocs=world, join=True)
+    c_rows, d_rows, b_rows, z = queue.get()
+    worst = max(max(r["output_rel_err"], r["dgrad_rel_err"]) for r in c_rows)
+    if worst > 1e-2:
+        raise SystemExit(f"EP={world} differs from EP=1 by {worst:.3g} (> 1e-2): {c_rows}")
+    suffix = "_cpu" if args.cpu else ""
+    notes = (f"hidden {z['hidden']}, {z['experts']} experts over EP={world}, top-{z['topk']}; FP8 time includes the "
+             f"1x128 quantization; {'gloo on CPU processes: toy sizes, timings meaningless' if args.cpu else 'NCCL_NVLS_ENABLE=0'}. Correctness vs EP=1 (hidden {CHECK['hidden']}, "
+             f"{CHECK['experts']} experts, every rank): worst relative error {worst:.2e} (bound 1e-2: BF16 "
+             "rounding of the per-rank partial sums combine adds).")
+    for name, title, rows in ((f"bench_ep_check_ep{world}{suffix}", f"EP={world} vs EP=1", c_rows),
+                              (f"bench_dispatch_ep{world}{suffix}", f"Dispatch + combine, EP={world}", d_rows),
+                              (f"bench_ep_scaling_ep{world}{suffix}", f"MoE block forward+backward, EP={world}",
+                               b_rows)):
+        print(utils.write_results(name, title, env, ceilings, rows, list(rows[-1]), notes=notes).read_text())
 
 
 if __name__ == "__main__":
