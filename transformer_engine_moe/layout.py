@@ -104,6 +104,17 @@ def num_column_blocks(m: int, m_splits: MSplits) -> int:
     return sum(-(-s // BLOCK_SIZE) for s in m_splits)
 
 
+def m_splits_tensor(m_splits, device, dtype=torch.int64) -> torch.Tensor:
+    """``m_splits`` (host list or tensor) as a ``dtype`` tensor on ``device``. A host list goes through
+    pinned memory with a non-blocking copy: a pageable host-to-device copy would sync with the host."""
+    if isinstance(m_splits, torch.Tensor):
+        return m_splits.to(device=device, dtype=dtype)
+    host = torch.tensor(list(m_splits), dtype=dtype)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def column_block_of_row(m: int, m_splits: MSplits, device) -> torch.Tensor:
     """int64 ``[M]``: the columnwise scale row (128x1 block) each data row belongs to.
 
@@ -112,7 +123,7 @@ def column_block_of_row(m: int, m_splits: MSplits, device) -> torch.Tensor:
     rows = torch.arange(m, device=device)
     if m_splits is None:
         return rows // BLOCK_SIZE
-    sizes = torch.as_tensor(m_splits, device=device).long()
+    sizes = m_splits_tensor(m_splits, device)
     starts = torch.cumsum(sizes, 0) - sizes
     blocks = (sizes + BLOCK_SIZE - 1) // BLOCK_SIZE
     block_starts = torch.cumsum(blocks, 0) - blocks

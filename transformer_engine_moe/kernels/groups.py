@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..layout import m_splits_tensor
+
 
 @triton.jit
 def group_extent(gi, sizes_ptr, num_groups, MAX_GROUPS: tl.constexpr):
@@ -45,13 +47,7 @@ def group_sizes_arg(m_splits, device):
     """(sizes tensor on ``device`` (int32), G, GROUPED, MAX_GROUPS) for ``column_block_rows``."""
     if m_splits is None:
         return torch.empty(1, dtype=torch.int32, device=device), 1, False, 1
-    if isinstance(m_splits, torch.Tensor):
-        sizes = m_splits.to(device=device, dtype=torch.int32)
-    else:
-        host = torch.tensor(list(m_splits), dtype=torch.int32)
-        if device.type == "cuda":  # pinned + non_blocking: no host sync
-            host = host.pin_memory()
-        sizes = host.to(device, non_blocking=True)
+    sizes = m_splits_tensor(m_splits, device, torch.int32)
     g = sizes.numel()
     return sizes, g, True, triton.next_power_of_2(g)
 

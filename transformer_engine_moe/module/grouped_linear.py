@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..layout import MSplits
+from ..layout import MSplits, m_splits_tensor
 from ..ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
 from ..ops.quantize import QuantizeArgs, quantize_with_args
 from ..ops.transpose import scaling_aware_transpose
@@ -33,8 +33,7 @@ from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
 def _bias_rows(bias: torch.Tensor, m_splits: MSplits, m: int) -> torch.Tensor:
     """``[M, N]``: each row's group bias (no host sync for device splits)."""
-    sizes = torch.as_tensor(m_splits, device=bias.device)
-    return torch.repeat_interleave(bias, sizes, dim=0, output_size=m)
+    return torch.repeat_interleave(bias, m_splits_tensor(m_splits, bias.device), dim=0, output_size=m)
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
@@ -80,7 +79,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if ctx.has_bias:
             rows = torch.repeat_interleave(
                 torch.arange(len(ctx.weights), device=grad_out.device),
-                torch.as_tensor(m_splits, device=grad_out.device), output_size=grad_out.shape[0])
+                m_splits_tensor(m_splits, grad_out.device), output_size=grad_out.shape[0])
             dbias = torch.zeros((len(ctx.weights), grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
             dbias = dbias.index_add_(0, rows, grad_out.float()).to(module.bias_dtype)
         return (dgrad, None, None, None, None, dbias, *dweights)
