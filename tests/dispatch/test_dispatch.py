@@ -241,10 +241,13 @@ def test_alltoall_refuses_indivisible_experts(alltoall_results):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_deepep_matches_oracle(tmp_path_factory):
-    pytest.importorskip("deep_ep")
+@pytest.mark.parametrize("backend", ["deepep", "alltoall"])
+def test_gpu_backend_matches_oracle(tmp_path_factory, backend):
+    """The oracle cases over NCCL: DeepEP's Buffer, or all_to_all_single with the permute kernels."""
+    if backend == "deepep":
+        pytest.importorskip("deep_ep")
     world = 4 if torch.cuda.device_count() >= 4 else 2
-    results = _spawn(tmp_path_factory, world, "deepep", "cuda", hidden=512)
+    results = _spawn(tmp_path_factory, world, backend, "cuda", hidden=512)
     failures = [f for fs in results.values() for f in fs]
     assert not failures, "\n".join(failures)
 
@@ -375,12 +378,5 @@ def test_deepep_needs_deep_ep():
         with pytest.raises(ImportError, match="the deepep dispatcher needs DeepEP with its V1 API"):
             get_dispatcher("deepep", num_experts=4)
     else:
-        pytest.skip("deep_ep is installed: test_deepep_matches_oracle runs it")
+        pytest.skip("deep_ep is installed: test_gpu_backend_matches_oracle[deepep] runs it")
 
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
-def test_alltoall_over_nccl_matches_oracle(tmp_path_factory):
-    world = 4 if torch.cuda.device_count() >= 4 else 2
-    results = _spawn(tmp_path_factory, world, "alltoall", "cuda", hidden=512)
-    failures = [f for fs in results.values() for f in fs]
-    assert not failures, "\n".join(failures)
