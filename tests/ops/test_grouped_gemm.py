@@ -75,6 +75,8 @@ def test_wgrad_matches_reference_and_accumulates(splits, as_tensor):
     main_grad = torch.ones(4, n, k, device=KERNEL_DEVICE)
     grouped_gemm_wgrad(dy, x, ms, out=main_grad, accumulate=True, backend="triton")
     assert relerr(main_grad - 1, ref) < TOL
+    bf16 = grouped_gemm_wgrad(dy, x, ms, out_dtype=torch.bfloat16, backend="triton")  # the weights' dtype
+    assert bf16.dtype == torch.bfloat16 and relerr(bf16, ref) < 2**-8
 
 
 def test_empty_input():
@@ -96,6 +98,8 @@ def test_empty_input():
         (lambda x, w: grouped_gemm(x, w.dequantize(), [128, 128]), TypeError, r"weight must be a Float8Blockwise"),
         (lambda x, w: grouped_gemm(x, x, [128, 128]), ValueError, r"128x128-scaled rowwise \[G, N, K\]"),
         (lambda x, w: grouped_gemm(x, w, [128, 128], out_dtype=torch.int32), TypeError, r"out_dtype"),
+        (lambda x, w: grouped_gemm_wgrad(*[scaling_aware_transpose(x, [128, 128])] * 2, [128, 128],
+                                         out_dtype=torch.float16), TypeError, r"out_dtype must be torch.float32"),
         (lambda x, w: grouped_gemm(x, w, [128, 128], backend="cutlass"), ValueError, r"backend must be one of"),
         (lambda x, w: grouped_gemm_wgrad(x, x, [128, 128]), ValueError, r"no columnwise data"),
         (lambda x, w: grouped_gemm_wgrad(scaling_aware_transpose(x, [128, 128]), scaling_aware_transpose(x, [256]),
@@ -104,7 +108,7 @@ def test_empty_input():
                                          out=torch.zeros(2, 256, 255)), ValueError, r"out must be .*\[2, 256, 256\]"),
     ],
     ids=["sum", "groups", "negative", "none", "features", "bf16-inp", "bf16-weight", "1x128-weight",
-         "out-dtype", "backend", "no-columnwise", "other-splits", "out-shape"],
+         "out-dtype", "wgrad-out-dtype", "backend", "no-columnwise", "other-splits", "out-shape"],
 )
 def test_bad_input_is_rejected_clearly(call, exc, match):
     x, w = act(256, 256, device="cpu"), weights(2, 256, 256, device="cpu")

@@ -12,6 +12,7 @@ from transformer_engine_moe import (
     moe_permute_with_probs,
     moe_unpermute,
     quantize_blockwise,
+    routing_map_to_topk,
     topk_to_routing_map,
 )
 from transformer_engine_moe.kernels import permute as kp
@@ -136,6 +137,24 @@ def test_fp8_permute_and_pad_matches_reference_and_keeps_bytes(align, case, t):
     assert (out.rowwise_scale_inv[~occupied] == 1).all() and (pprobs[~occupied] == 0).all()
 
 
+def test_megatron_router_format_round_trips_through_topk():
+    """routing_map_to_topk (Megatron's [T, E] probs + mask -> DeepEP's top-k) inverts topk_to_routing_map,
+    fewer than k experts on a token (dropped or padded) included, and carries the probs' gradient."""
+    t, e, k = 23, 8, 3
+    logits = torch.randn(t, e)
+    rm = torch.zeros(t, e, dtype=torch.bool).scatter_(1, logits.topk(k, 1).indices, True)
+    rm[5] = False  # a token routed nowhere
+    rm[6, rm[6].nonzero()[0]] = False  # a token with k-1 experts
+    probs = (torch.softmax(logits, 1) * rm).requires_grad_()
+    idx, w = routing_map_to_topk(probs, rm, k)
+    assert idx.dtype == torch.int64 and w.dtype == torch.float32 and idx.shape == (t, k)
+    assert (idx[5] == -1).all() and (idx[6] == -1).sum() == 1 and (w[idx == -1] == 0).all()
+    rm2, probs2 = topk_to_routing_map(idx, w, e)
+    assert torch.equal(rm2, rm) and torch.equal(probs2, probs.detach())
+    w.sum().backward()
+    assert torch.equal(probs.grad, rm.float())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_deepep_topk_format_equals_the_mask(backend):
     t, e, k = 31, 8, 3
@@ -237,10 +256,14 @@ def test_unpermute_backward_kernel_matches_reference():
          "selects an expert twice"),
         (lambda x, rm, p: topk_to_routing_map(torch.tensor([[1.0]]), torch.ones(1, 1), 3), TypeError,
          "int32/int64"),
+        (lambda x, rm, p: routing_map_to_topk(p, rm.int(), 2), TypeError, "routing_map must be a 2-D bool"),
+        (lambda x, rm, p: routing_map_to_topk(p, rm, 4), ValueError, r"topk must be an int in \[1, E=3\]"),
+        (lambda x, rm, p: routing_map_to_topk(p, rm, 1), ValueError, "selects more than topk=1"),
+        (lambda x, rm, p: routing_map_to_topk(p[:, :2], rm, 2), ValueError, r"probs must have shape \[4, 3\]"),
     ],
     ids=["int-inp", "1d-inp", "map-rows", "map-float", "probs-shape", "too-few-rows", "negative-rows",
          "align", "tpe", "fp8-unpermute", "map-dtype", "merge-shape", "restore", "id-range", "id-twice",
-         "id-dtype"],
+         "id-dtype", "rm-dtype", "topk-range", "too-many", "rm-probs-shape"],
 )
 def test_bad_input_is_rejected_clearly(call, exc, match):
     x = torch.randn(4, 128)
