@@ -78,8 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true",
-                   help="BF16 autocast of the forward pass (parameters and Adam stay FP32)")
     g.add_argument("--fp8-format", dest="fp8", choices=("e4m3", "hybrid"), default=None)
     g.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "mxfp8", "blockwise"),
                    default="delayed")
@@ -279,7 +277,6 @@ def train(args) -> dict:
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / accumulation))
         stream = ByteStream(stdlib_bytes(args.text_max_bytes), args.seq_length)
         positions = torch.arange(args.seq_length).expand(args.micro_batch_size, -1)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16)
         tokens_per_step = gbs * args.seq_length
         curve, times = [], []
         model.train()
@@ -292,8 +289,7 @@ def train(args) -> dict:
             for micro in range(accumulation):
                 first = step * gbs + (micro * dp_size + dp_rank) * args.micro_batch_size
                 tokens, labels = stream.batch(first, args.micro_batch_size)
-                with autocast:
-                    loss = model(tokens, positions, None, labels=labels).float().mean()
+                loss = model(tokens, positions, None, labels=labels).float().mean()
                 (loss / accumulation).backward()
                 total += loss.detach() / accumulation
             grad_norm = _reduce_grads(model)

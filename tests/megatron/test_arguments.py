@@ -58,10 +58,11 @@ def test_rules_by_flag_name():
         assert needle in text
 
 
-def test_unsupported_megatron_flag_is_named(capsys):
+@pytest.mark.parametrize("flag", ["--sequence-parallel", "--bf16"])
+def test_unsupported_megatron_flag_is_named(capsys, flag):
     with pytest.raises(SystemExit):
-        parse_args(MODEL + ["--sequence-parallel"])
-    assert "--sequence-parallel" in capsys.readouterr().err
+        parse_args(MODEL + [flag])
+    assert f"does not support {flag}" in capsys.readouterr().err
 
 
 def test_apply_is_idempotent_and_config_accepts_moe_expert():
