@@ -25,8 +25,8 @@ from torch import nn
 
 from ..layout import MSplits, m_splits_tensor
 from ..ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
-from ..ops.quantize import QuantizeArgs, quantize_with_args
 from ..ops.transpose import scaling_aware_transpose
+from ..quantizer import Float8BlockQuantizer
 from ..recipe import FP8FlowRecipe, Role
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
@@ -39,8 +39,7 @@ def _bias_rows(bias: torch.Tensor, m_splits: MSplits, m: int) -> torch.Tensor:
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, m_splits, module, weight_fp8, weight_t_fp8, bias, *weights):
-        x = inp if isinstance(inp, Float8BlockwiseQTensor) else quantize_with_args(
-            inp, module._args(Role.INPUT), None)
+        x = inp if isinstance(inp, Float8BlockwiseQTensor) else module.quantizers[Role.INPUT](inp)
         out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
         if bias is not None:
             out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
@@ -58,7 +57,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         module, m_splits = ctx.module, ctx.m_splits
         x = Float8BlockwiseQTensor(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, pow2_scales=pow2,
                                    rowwise_data=data, rowwise_scale_inv=scale)
-        dy = quantize_with_args(grad_out.contiguous(), module._args(Role.GRAD), None)
+        dy = module.quantizers[Role.GRAD](grad_out.contiguous())
         dgrad = None
         if ctx.needs_input_grad[0]:
             dgrad = grouped_gemm(dy, ctx.weight_t_fp8, m_splits, out_dtype=grad_out.dtype,
@@ -115,6 +114,7 @@ class GroupedLinear(nn.Module):
             raise TypeError(f"params_dtype must be torch.bfloat16 or torch.float32, got {params_dtype}")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.recipe = recipe or FP8FlowRecipe()
+        self.quantizers = {role: Float8BlockQuantizer.from_recipe(self.recipe, role) for role in Role}
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.backend = backend
         self.bias_dtype = params_dtype
@@ -129,10 +129,6 @@ class GroupedLinear(nn.Module):
         self._cache_key = None
         self._cache = None
 
-    def _args(self, role: Role) -> QuantizeArgs:
-        return QuantizeArgs(self.recipe.block(role), self.recipe.fp8_dtype(role), self.recipe.power_2_scales,
-                            self.recipe.amax_epsilon, True, False, "auto")
-
     @property
     def weights(self) -> list[nn.Parameter]:
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
@@ -144,7 +140,7 @@ class GroupedLinear(nn.Module):
         if key != self._cache_key:
             with torch.no_grad():
                 stacked = torch.stack([w.detach() for w in weights]).view(-1, self.in_features)
-                w = quantize_with_args(stacked, self._args(Role.WEIGHT), None)
+                w = self.quantizers[Role.WEIGHT](stacked)
                 w = w._make_like(shape=(self.num_gemms, self.out_features, self.in_features),
                                  rowwise_data=w.rowwise_data, rowwise_scale_inv=w.rowwise_scale_inv)
             self._cache = (w, transpose_grouped_weight(w))

@@ -14,9 +14,9 @@ router stays outside, as in Megatron. Phases (methods named after them, so recom
 ``precision="bf16"`` runs the same phases with the same parameters without quantization: the
 reference block of tests and benchmarks. ``precision="blockwise_casts"`` is today's blockwise FP8
 (TransformerEngine's Float8BlockScaling with Megatron): BF16 dispatch and permute, each GEMM quantizes
-its BF16 input and returns BF16, an unfused BF16 SwiGLU in between: the baseline FP8-Flow removes. ``recompute="moe_expert"`` keeps only the dispatched
-FP8 input (data, scales, probs, routing) for backward and reruns ``experts`` there; nothing
-is re-dispatched.
+its BF16 input and returns BF16, an unfused BF16 SwiGLU in between: the baseline FP8-Flow removes.
+``recompute="moe_expert"`` keeps only the dispatched FP8 input (data, scales, probs, routing) for
+backward and reruns ``experts`` there; nothing is re-dispatched.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from ..ops.permute import (
     routing_map_to_topk,
     topk_to_routing_map,
 )
-from ..ops.quantize import QuantizeArgs, quantize_with_args
 from ..ops.swiglu import weighted_swiglu_quant
 from ..recipe import FP8FlowRecipe, Role
 from ..reference.swiglu import weighted_swiglu
@@ -102,9 +101,7 @@ class FP8FlowMoE(nn.Module):
     def quantize(self, hidden: torch.Tensor):
         if self.precision != "fp8_flow":
             return hidden
-        args = QuantizeArgs("1x128", self.recipe.fp8_dtype(Role.INPUT), self.recipe.power_2_scales,
-                            self.recipe.amax_epsilon, True, False, "auto")
-        return quantize_with_args(hidden, args)
+        return self.linear_fc1.quantizers[Role.INPUT](hidden)
 
     def dispatch(self, hidden, topk_ids, topk_probs):
         return self.dispatcher.dispatch(hidden, topk_ids, topk_probs)
@@ -169,9 +166,10 @@ class FP8FlowMoE(nn.Module):
         return self.combine(y, res.handle)
 
 
-def saved_activation_bytes(step) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``step()`` runs forward
-    (parameters excluded): the activation memory a block keeps until its backward."""
+def saved_activation_bytes(step) -> tuple[int, object]:
+    """``(bytes, step())``: the bytes of the distinct storages autograd saves for backward while
+    ``step()`` runs forward (parameters excluded), the activation memory a block keeps until its
+    backward, and what ``step`` returned."""
     seen: dict[int, int] = {}
 
     def pack(t):
