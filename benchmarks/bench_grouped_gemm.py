@@ -121,7 +121,7 @@ def sweep() -> list[dict]:
     for cfg in itertools.product((64, 128), (4, 8, 16), (4, 8), (3, 4)):
         try:
             t = utils.time_ms(lambda: kg.grouped_gemm(xq.rowwise_data, xq.rowwise_scale_inv, w.rowwise_data.view(
-                e, n, k), w.rowwise_scale_inv.view(e, n // 128, k // 128), st, True, config=cfg), 20, 100)
+                e, n, k), w.rowwise_scale_inv.view(e, n // 128, k // 128), st, config=cfg), 20, 100)
             rows.append(dict(config=str(cfg), tflops=2 * m * n * k / t / 1e9))
         except Exception as exc:  # out of shared memory for the larger tiles
             rows.append(dict(config=str(cfg), tflops=type(exc).__name__))

@@ -6,9 +6,10 @@ two 128-wide FP8 blocks goes through the tensor cores into float32 and is
 promoted into the float32 accumulator with its two block scales (DeepSeek-V3's
 per-128 promotion), so a tile sees ``acc += dot(a_kb, b_kb) * sa * sb``.
 
-- ``grouped_gemm``: ``C[M, N] = A[M, R] @ op(B_g)`` for rows of group g. A is FP8
-  with 1x128 scales ``[M, R/128]`` (COMPACT); B is the weights ``[G, N, R]``
-  (fprop, ``op = transpose``) or ``[G, R, N]`` (dgrad) with 128x128 scales. Tiles
+- ``grouped_gemm``: ``C[M, N] = A[M, R] @ B_g^T`` for rows of group g. A is FP8
+  with 1x128 scales ``[M, R/128]`` (COMPACT); B is K-major ``[G, N, R]`` with 128x128
+  scales: the weights (fprop) or their per-expert transpose (dgrad; Hopper's FP8 tensor
+  cores take both operands K-major, docs/grouped_gemm.md). Tiles
   are group-relative 128-row blocks, the same blocks as the 128x1 column scales,
   so a tile never straddles two experts.
 - ``grouped_gemm_wgrad``: ``C_g[N, K] = A^T_g @ B^T_g^T`` with both operands in
@@ -90,7 +91,7 @@ def _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, end_row, fi
 @triton.jit
 def _grouped_wgrad_kernel(
     at_ptr, ats_ptr, bt_ptr, bts_ptr, c_ptr, sizes_ptr, num_groups, M, N, K,
-    MAX_GROUPS: tl.constexpr, ACCUMULATE: tl.constexpr, INTERPRET: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
+    MAX_GROUPS: tl.constexpr, ACCUMULATE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """One [BLOCK_N, BLOCK_K] tile of C_g [N, K] (float32; N % BLOCK_N == K % BLOCK_K == 0), reducing over
@@ -125,15 +126,15 @@ def _grouped_wgrad_kernel(
     c = c_ptr + g.to(tl.int64) * N * K + n_rows.to(tl.int64)[:, None] * K + k_rows[None, :]
     if ACCUMULATE:
         acc += tl.load(c)
-    tl.store(c, cast_for_store(acc, c_ptr.dtype.element_ty, SOFTWARE_CAST))
+    tl.store(c, cast_for_store(acc, c_ptr.dtype.element_ty, INTERPRET))  # the interpreter casts in software
 
 
-def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, trans_b: bool, out_dtype=torch.bfloat16, config=None):
-    """``a [M, R]`` FP8 with ``a_scale_inv [M, R/128]``; ``b`` ``[G, N, R]`` (``trans_b``: fprop) or
-    ``[G, R, N]`` (dgrad) FP8 with 128x128 ``b_scale_inv`` ``[G, N/128, R/128]`` or ``[G, R/128, N/128]``;
-    ``m_splits`` list or device int tensor -> ``C [M, N]`` in ``out_dtype``."""
+def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
+    """``a [M, R]`` FP8 with ``a_scale_inv [M, R/128]``; ``b`` ``[G, N, R]`` FP8 (K-major: the weights for
+    fprop, their per-expert transpose for dgrad) with 128x128 ``b_scale_inv`` ``[G, N/128, R/128]``;
+    ``m_splits`` list or device int tensor -> ``C [M, N] = A @ B_g^T`` per group in ``out_dtype``."""
     m, r = a.shape
-    n = b.shape[1] if trans_b else b.shape[2]
+    n = b.shape[1]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
@@ -141,11 +142,9 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, trans_b: bool, out_dt
         return c.zero_()
     block_n, group_m, num_warps, num_stages = config or GEMM_CONFIG
     sizes, g, grouped, max_groups = group_sizes_arg(m_splits, a.device)
-    if trans_b:  # B_g[r, n] = b[g, n, r]
-        strides = (b.stride(0), b.stride(2), b.stride(1), b_scale_inv.stride(0), b_scale_inv.stride(2),
-                   b_scale_inv.stride(1))
-    else:
-        strides = (b.stride(0), b.stride(1), b.stride(2), *b_scale_inv.stride())
+    # B_g[r, n] = b[g, n, r]
+    strides = (b.stride(0), b.stride(2), b.stride(1), b_scale_inv.stride(0), b_scale_inv.stride(2),
+               b_scale_inv.stride(1))
     if n % block_n:
         raise ValueError(f"N={n} must be a multiple of BLOCK_N={block_n}")
     grid = (num_column_blocks(m, m_splits) * (n // block_n),)
@@ -173,7 +172,7 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     grid = (g * (n // block_n) * (k // block_k),)
     _grouped_wgrad_kernel[grid](
         a_t, a_t_scale_inv, b_t, b_t_scale_inv, out, sizes, g, m, n, k,
-        MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), INTERPRET=not a_t.is_cuda, SOFTWARE_CAST=not a_t.is_cuda,
+        MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), INTERPRET=not a_t.is_cuda,
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
     )
     return out

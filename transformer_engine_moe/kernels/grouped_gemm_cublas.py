@@ -37,11 +37,8 @@ def _col_major(s: torch.Tensor) -> torch.Tensor:
     return s.t().contiguous().t()
 
 
-def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, trans_b: bool, out_dtype=torch.bfloat16, config=None):
-    """As ``kernels.grouped_gemm.grouped_gemm``; for ``trans_b=False`` pass ``b`` as the transposed
-    weights ``[G, N, R]`` (contiguous) with their scales ``[G, N/128, R/128]`` and ``trans_b=True``."""
-    if not trans_b:
-        raise ValueError("the cuBLAS path needs K-major weights: pass the transposed weights with trans_b=True")
+def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
+    """As ``kernels.grouped_gemm.grouped_gemm`` (``b`` K-major ``[G, N, R]``), for host ``m_splits``."""
     m, n = a.shape[0], b.shape[1]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     lo = 0

@@ -53,7 +53,7 @@ def _impl(backend: str, tensor: torch.Tensor, m_splits, reduction: int, op: str,
         return cublas
     if backend == "auto" and tensor.is_cuda and ok and sum(m_splits) >= CUBLAS_MIN_MEAN_ROWS * len(m_splits):
         return cublas
-    if use_triton("auto" if backend == "auto" else backend, tensor, op):
+    if use_triton(backend, tensor, op):
         from ..kernels import grouped_gemm as kernels
 
         return kernels
@@ -76,19 +76,20 @@ def _check_act(t, name: str, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
     return data, t.rowwise_scale_inv if usage == "rowwise" else t.columnwise_scale_inv
 
 
-def _check_splits(m_splits: MSplits, m: int, groups: int, device) -> MSplits:
+def _check_splits(m_splits: MSplits, m: int, groups: Optional[int], device) -> tuple[MSplits, int]:
+    """Validated ``(m_splits, number of groups)``; ``groups``: the count the weight expects (None: any)."""
     if m_splits is None:
         raise ValueError("m_splits is required: a host list or a device int tensor of per-expert row counts")
     m_splits = check_m_splits(m_splits, m)
     n = len(m_splits) if isinstance(m_splits, list) else m_splits.numel()
-    if n != groups:
+    if groups is not None and n != groups:
         raise ValueError(f"m_splits has {n} groups but the weight has {groups} experts")
     if isinstance(m_splits, torch.Tensor):
         if m_splits.device != device:
             raise ValueError(f"m_splits is on {m_splits.device}, the operands on {device}")
         check_on_device((m_splits >= 0).all() & (m_splits.sum() == m),
                         f"m_splits must be >= 0 and sum to M={m}")
-    return m_splits
+    return m_splits, n
 
 
 def check_grouped_weight(weight, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,9 +131,9 @@ def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_
                          f"(weight shape {list(weight.shape)})")
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"out_dtype must be bf16/fp16/fp32, got {out_dtype}")
-    m_splits = _check_splits(m_splits, inp.shape[0], weight.shape[0], a.device)
+    m_splits, _ = _check_splits(m_splits, inp.shape[0], weight.shape[0], a.device)
     impl = _impl(backend, a, m_splits, inp.shape[1], "grouped_gemm")
-    return impl.grouped_gemm(a, a_scale, b, b_scale, m_splits, True, out_dtype)
+    return impl.grouped_gemm(a, a_scale, b, b_scale, m_splits, out_dtype)
 
 
 def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8BlockwiseQTensor, m_splits: MSplits, *,
@@ -147,8 +148,7 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
     b, b_scale = _check_act(inp, "inp", "columnwise")
     if grad_output.shape[0] != inp.shape[0]:
         raise ValueError(f"grad_output has {grad_output.shape[0]} rows, inp {inp.shape[0]}")
-    groups = len(m_splits) if isinstance(m_splits, (list, tuple)) else getattr(m_splits, "numel", lambda: 0)()
-    m_splits = _check_splits(m_splits, inp.shape[0], groups, a.device)
+    m_splits, groups = _check_splits(m_splits, inp.shape[0], None, a.device)
     for name, t in (("grad_output", grad_output), ("inp", inp)):
         own = t.columnwise_m_splits
         if (own is not m_splits) and not (isinstance(own, list) and own == m_splits):

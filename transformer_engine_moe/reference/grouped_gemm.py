@@ -22,15 +22,15 @@ def _ranges(m_splits, m: int) -> list[tuple[int, int]]:
     return [(e - s, e) for s, e in zip(sizes, ends)]
 
 
-def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, trans_b: bool, out_dtype=torch.bfloat16, config=None):
-    """``C[rows of g] = A[rows of g] @ (B_g^T if trans_b else B_g)`` in float32, cast to ``out_dtype``."""
+def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
+    """``C[rows of g] = A[rows of g] @ B_g^T`` (``b [G, N, R]``) in float32, cast to ``out_dtype``."""
     a32 = dequantize_1x128(a, a_scale_inv, torch.float32)
-    n = b.shape[1] if trans_b else b.shape[2]
+    n = b.shape[1]
     c = torch.zeros((a.shape[0], n), dtype=torch.float32, device=a.device)
     for g, (lo, hi) in enumerate(_ranges(m_splits, a.shape[0])):
         if hi > lo:
             w = dequantize_128x128(b[g], b_scale_inv[g], torch.float32)
-            c[lo:hi] = a32[lo:hi] @ (w.t() if trans_b else w)
+            c[lo:hi] = a32[lo:hi] @ w.t()
     return c.to(out_dtype)
 
 
