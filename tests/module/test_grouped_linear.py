@@ -1,5 +1,5 @@
 """GroupedLinear: forward and gradients vs float32 math on the dequantized operands and vs BF16 nn.Linear per
-expert; FP8 input; zero-row experts; list vs tensor splits; main_grad fusion; cache; bad inputs; GPU sync."""
+expert; FP8 input; zero-row experts; list vs tensor splits; main_grad fusion; FP8 weight cache; bad inputs; GPU sync."""
 
 import pytest
 import torch
@@ -106,11 +106,26 @@ def test_main_grad_accumulation_and_weight_cache():
     for w, r in zip(gl.weights, ref_gl.weights):
         assert w.grad is None and w.grad_added_to_main_grad
         assert relerr(w.main_grad - 1, r.grad) < 1e-2
-    cached = gl.fp8_weights()
-    assert gl.fp8_weights()[0] is cached[0]
-    with torch.no_grad():
-        gl.weight1.mul_(2)
-    assert gl.fp8_weights()[0] is not cached[0]
+
+
+def test_fp8_weight_cache_follows_is_first_microbatch():
+    """TE's rule. Weights written through ``.data`` (as Megatron's optimizers do: no version bump) are seen
+    by None and True; False reuses the cache. Doubling a weight doubles its power-of-two-scaled FP8 exactly."""
+    splits = [128, 128]
+    gl, x = setup(splits)
+    y0 = gl(x, splits, is_first_microbatch=True)
+    version = gl.weight1._version
+    gl.weight1.data.mul_(2)
+    assert gl.weight1._version == version
+    assert torch.equal(gl(x, splits, is_first_microbatch=False), y0)
+    y1 = gl(x, splits)
+    assert torch.equal(y1[:128], y0[:128]) and torch.equal(y1[128:], 2 * y0[128:])
+    gl.weight1.data.mul_(2)
+    assert torch.equal(gl(x, splits, is_first_microbatch=False)[128:], 4 * y0[128:])  # None kept no cache
+    assert gl.fp8_weights(False)[0] is gl.fp8_weights(False)[0]
+    assert torch.equal(gl(x, splits, is_first_microbatch=True)[128:], 4 * y0[128:])
+    with pytest.raises(TypeError, match="is_first_microbatch must be None or a bool, got 1"):
+        gl(x, splits, is_first_microbatch=1)
 
 
 def test_checkpoint_gives_same_gradients():

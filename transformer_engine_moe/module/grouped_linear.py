@@ -5,9 +5,10 @@ Shaped after TransformerEngine's ``GroupedLinear`` (``weight0..weight{G-1}``, ea
 the ``Float8BlockwiseQTensor`` flowing from permute or from SwiGLU+quant: it is
 used as is, never dequantized. Per step:
 
-- forward: weights quantized 128x128 once and cached until any weight changes
-  (parameter versions); ``out = grouped_gemm(inp, W)`` in BF16 (or the weights'
-  dtype). Saved for backward: the FP8 input (rowwise) and the FP8 weights.
+- forward: weights quantized 128x128 (cached across micro-batches by TE's
+  ``is_first_microbatch`` rule, ``fp8_weights``); ``out = grouped_gemm(inp, W)`` in
+  BF16 (or the input's dtype). Saved for backward: the FP8 input (rowwise) and the
+  FP8 weights.
 - backward: the output gradient is quantized 1x128 (E4M3, or E5M2 for the HYBRID
   recipe); dgrad ``dX = dY @ W_g`` through the per-expert transposed FP8 weights
   (the same quantization, a byte transpose); wgrad ``dW_g = dY_g^T X_g`` from the
@@ -126,31 +127,38 @@ class GroupedLinear(nn.Module):
                 self.register_parameter(f"bias{i}", nn.Parameter(
                     torch.zeros(out_features, dtype=params_dtype, device=device)))
         self.use_bias = bias
-        self._cache_key = None
         self._cache = None
 
     @property
     def weights(self) -> list[nn.Parameter]:
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
-    def fp8_weights(self) -> tuple[Float8BlockwiseQTensor, Float8BlockwiseQTensor]:
-        """``(W [G, N, K], W^T [G, K, N])`` 128x128 FP8, requantized only when a weight changed."""
-        weights = self.weights
-        key = tuple((w.data_ptr(), w._version) for w in weights)
-        if key != self._cache_key:
-            with torch.no_grad():
-                stacked = torch.stack([w.detach() for w in weights]).view(-1, self.in_features)
-                w = self.quantizers[Role.WEIGHT](stacked)
-                w = w._make_like(shape=(self.num_gemms, self.out_features, self.in_features),
-                                 rowwise_data=w.rowwise_data, rowwise_scale_inv=w.rowwise_scale_inv)
-            self._cache = (w, transpose_grouped_weight(w))
-            self._cache_key = key
-        return self._cache
+    def fp8_weights(self, is_first_microbatch: Optional[bool] = None
+                    ) -> tuple[Float8BlockwiseQTensor, Float8BlockwiseQTensor]:
+        """``(W [G, N, K], W^T [G, K, N])`` 128x128 FP8, W^T a byte transpose of W's quantization.
 
-    def forward(self, inp: Union[torch.Tensor, Float8BlockwiseQTensor], m_splits: Union[Sequence[int], torch.Tensor]):
+        TransformerEngine's ``is_first_microbatch`` rule: None quantizes the current weights and
+        keeps nothing; True quantizes them and caches the result; False reuses the cache (the
+        weights have not changed since the micro-batch that said True). Optimizers write weights
+        through ``.data`` or flat buffers without bumping parameter versions, so only the caller
+        knows when the cache is stale.
+        """
+        if is_first_microbatch is False and self._cache is not None:
+            return self._cache
+        with torch.no_grad():
+            stacked = torch.stack([w.detach() for w in self.weights]).view(-1, self.in_features)
+            w = self.quantizers[Role.WEIGHT](stacked)
+            w = w._make_like(shape=(self.num_gemms, self.out_features, self.in_features),
+                             rowwise_data=w.rowwise_data, rowwise_scale_inv=w.rowwise_scale_inv)
+        weights = (w, transpose_grouped_weight(w))
+        self._cache = None if is_first_microbatch is None else weights
+        return weights
+
+    def forward(self, inp: Union[torch.Tensor, Float8BlockwiseQTensor], m_splits: Union[Sequence[int], torch.Tensor],
+                is_first_microbatch: Optional[bool] = None):
         """``inp [M, in_features]`` BF16/FP32 or a rowwise 1x128 Float8BlockwiseQTensor; ``m_splits``
         per-expert row counts (host list or device int tensor) -> ``[M, out_features]`` in ``inp``'s
-        (logical) dtype."""
+        (logical) dtype. ``is_first_microbatch``: FP8 weight caching as in TE (``fp8_weights``)."""
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"inp must be a tensor or Float8BlockwiseQTensor, got {type(inp).__name__}")
         if inp.dim() != 2 or inp.shape[1] != self.in_features:
@@ -160,7 +168,9 @@ class GroupedLinear(nn.Module):
             raise TypeError(f"inp must be bf16/fp16/fp32 or a Float8BlockwiseQTensor, got {inp.dtype}")
         if isinstance(m_splits, tuple):
             m_splits = list(m_splits)
-        w, w_t = self.fp8_weights()
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
+        w, w_t = self.fp8_weights(is_first_microbatch)
         bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
         return _GroupedLinearFunction.apply(inp, m_splits, self, w, w_t, bias, *self.weights)
 

@@ -106,7 +106,8 @@ class FP8FlowMoE(nn.Module):
     def dispatch(self, hidden, topk_ids, topk_probs):
         return self.dispatcher.dispatch(hidden, topk_ids, topk_probs)
 
-    def experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert: list[int]):
+    def experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert: list[int],
+                is_first_microbatch: Optional[bool] = None):
         """Received ``hidden [R, H]`` (FP8 or BF16), local ``topk_ids``/``topk_probs [R, k]`` and the host
         ``tokens_per_expert`` -> ``[R, H]`` BF16 (each token's prob-weighted sum over local experts)."""
         a = self.align_size
@@ -123,33 +124,36 @@ class FP8FlowMoE(nn.Module):
             act = weighted_swiglu(h, probs).to(h.dtype)
             y = _bf16_grouped_linear(act, self.linear_fc2.weights, padded)
         elif self.precision == "blockwise_casts":
-            h = self.linear_fc1(x, padded)
+            h = self.linear_fc1(x, padded, is_first_microbatch)
             act = weighted_swiglu(h, probs).to(h.dtype)
-            y = self.linear_fc2(act, padded)
+            y = self.linear_fc2(act, padded, is_first_microbatch)
         else:
-            h = self.linear_fc1(x, padded)
+            h = self.linear_fc1(x, padded, is_first_microbatch)
             act = weighted_swiglu_quant(h, probs, self.recipe)
-            y = self.linear_fc2(act, padded)
+            y = self.linear_fc2(act, padded, is_first_microbatch)
         return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets)
 
     def combine(self, y: torch.Tensor, handle) -> torch.Tensor:
         return self.dispatcher.combine(y, handle)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``hidden [T, H]`` BF16 with Megatron's router output: ``probs [T, E]`` (zero off the routed
-        experts), ``routing_map [T, E]`` bool -> ``[T, H]`` BF16."""
+        experts), ``routing_map [T, E]`` bool -> ``[T, H]`` BF16. ``is_first_microbatch``: FP8 weight
+        caching as in TE (``GroupedLinear.fp8_weights``; None: quantize the weights every call)."""
         topk_ids, topk_probs = routing_map_to_topk(probs, routing_map, self.topk)
-        return self.forward_topk(hidden, topk_ids, topk_probs)
+        return self.forward_topk(hidden, topk_ids, topk_probs, is_first_microbatch)
 
-    def forward_topk(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> torch.Tensor:
+    def forward_topk(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
+                     is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``hidden [T, H]`` BF16 (FP32: cast to BF16 at entry and the output back), ``topk_ids [T, k]``
         int64 global expert ids (-1: unused slot), ``topk_probs [T, k]`` float32 -> ``[T, H]``."""
         if not isinstance(hidden, torch.Tensor) or isinstance(hidden, Float8BlockwiseQTensor) or hidden.dim() != 2:
             raise TypeError(f"hidden must be a 2-D BF16 tensor [T, H], got {type(hidden).__name__} "
                             f"{list(getattr(hidden, 'shape', []))}")
         if hidden.dtype == torch.float32:
-            return self.forward_topk(hidden.bfloat16(), topk_ids, topk_probs).float()
+            return self.forward_topk(hidden.bfloat16(), topk_ids, topk_probs, is_first_microbatch).float()
         if hidden.dtype != torch.bfloat16:
             raise TypeError(f"hidden must be BF16 or FP32, got {hidden.dtype}")
         if hidden.shape[1] != self.linear_fc1.in_features:
@@ -160,9 +164,9 @@ class FP8FlowMoE(nn.Module):
         res = self.dispatch(self.quantize(hidden), topk_ids, topk_probs.float())
         if self.recompute == "moe_expert":
             y = torch.utils.checkpoint.checkpoint(self.experts, res.hidden, res.topk_ids, res.topk_probs,
-                                                  res.tokens_per_expert, use_reentrant=False)
+                                                  res.tokens_per_expert, is_first_microbatch, use_reentrant=False)
         else:
-            y = self.experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert)
+            y = self.experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert, is_first_microbatch)
         return self.combine(y, res.handle)
 
 
