@@ -1,12 +1,14 @@
 """Megatron's own ``pretrain`` (megatron-core 0.19.x, ``megatron.training``) through
-``python -m megatron_patches.pretrain_gpt``: BF16 experts vs FP8-Flow experts with ``moe_expert``
-recompute, same seed and data (Python standard-library bytes), on one GPU; plus BF16 experts with another
-seed, the control: how far two BF16 runs land apart when only the initialisation differs (the FP8-Flow
-block consumes the RNG in another order than Megatron's experts, so its initial weights differ too).
+``python -m megatron_patches.pretrain_gpt``: BF16 experts (Megatron's) vs FP8-Flow experts with
+``moe_expert`` recompute, E4M3 and HYBRID (E5M2 gradients), same seed and data (Python standard-library
+bytes), on one GPU. The FP8-Flow block draws its initial weights as Megatron's experts do, so all runs
+with one seed start from the same model and see the same dropout masks: what differs is the expert
+arithmetic. A BF16 run with another seed is the control: how far runs land apart from initialisation
+alone.
 
-Runs ``torchrun --nproc_per_node 1`` twice, parses Megatron's iteration log lines, and writes final
-loss (mean of the last quarter of logged losses), relative deviation, iteration time and tokens/s,
-and peak memory. Needs megatron-core 0.19.x importable (the README says how on the GPU machines).
+Runs ``torchrun --nproc_per_node 1`` once per configuration, parses Megatron's iteration log lines, and
+writes final loss (mean of the last quarter of logged losses), relative deviation, iteration time and
+tokens/s, and peak memory. Needs megatron-core 0.19.x importable (the README says how on the GPU machines).
 
     python benchmarks/bench_megatron_pretrain.py [--train-iters N]
 """
@@ -27,7 +29,7 @@ MODEL = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 8 --seq-length
          "--log-interval 10 --eval-iters 0 --eval-interval 100000 --no-persist-layer-norm "
          "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion "
          "--no-bias-swiglu-fusion").split()
-FP8_FLOW = ("--fp8-format e4m3 --fp8-recipe blockwise --moe-fp8-flow --recompute-granularity selective "
+FP8_FLOW = ("--fp8-recipe blockwise --moe-fp8-flow --recompute-granularity selective "
             "--recompute-modules moe_expert").split()
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+) .*lm loss: ([\d.E+-]+)")
 MEM = re.compile(r"max allocated: ([\d.]+)")
@@ -48,12 +50,14 @@ def run(flags, iters) -> dict:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train-iters", type=int, default=300)
+    parser.add_argument("--train-iters", type=int, default=1000)
     iters = parser.parse_args().train_iters
     env = utils.environment()
     tokens = 8 * 1024
     seed = ["--seed", "1234"]
-    res = {"bf16_experts": run(seed, iters), "fp8_flow_moe_expert": run(seed + FP8_FLOW, iters),
+    res = {"bf16_experts": run(seed, iters),
+           "fp8_flow_e4m3_moe_expert": run(seed + FP8_FLOW + ["--fp8-format", "e4m3"], iters),
+           "fp8_flow_hybrid_moe_expert": run(seed + FP8_FLOW + ["--fp8-format", "hybrid"], iters),
            "bf16_experts_seed_1235 (control)": run(["--seed", "1235"], iters)}
     base = res["bf16_experts"]["final_loss"]
     rows = [dict(run=n, final_loss=r["final_loss"], relative_deviation=(r["final_loss"] - base) / base,

@@ -30,16 +30,18 @@ from .settings import MOE_EXPERT
 class ExpertBlock(Protocol):
     """What ``FP8FlowMoELayer`` needs from an expert block (an ``nn.Module``).
 
-    ``forward(hidden_states, probs, routing_map)``: ``hidden_states [T, H]`` (the layer's local
-    tokens), ``probs [T, E]`` float32 and ``routing_map [T, E]`` bool over all ``E`` experts as
-    Megatron's ``TopKRouter`` returns them; returns ``[T, H]`` in the dtype of
-    ``hidden_states``: the probability-weighted sum of each token's experts, gathered back from
-    whichever expert-parallel rank computed them. Parameters live in ``linear_fc1`` /
-    ``linear_fc2`` as ``weight0..weight{num_local_experts-1}`` (TE's GroupedLinear names).
+    ``forward(hidden_states, probs, routing_map, is_first_microbatch=None)``: ``hidden_states
+    [T, H]`` (the layer's local tokens), ``probs [T, E]`` float32 and ``routing_map [T, E]`` bool
+    over all ``E`` experts as Megatron's ``TopKRouter`` returns them; returns ``[T, H]`` in the
+    dtype of ``hidden_states``: the probability-weighted sum of each token's experts, gathered
+    back from whichever expert-parallel rank computed them. ``is_first_microbatch``: TE's FP8
+    weight-cache flag (None: no cache). Parameters live in ``linear_fc1`` / ``linear_fc2`` as
+    ``weight0..weight{num_local_experts-1}`` (TE's GroupedLinear names).
     """
 
     def __call__(
-        self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor
+        self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+        is_first_microbatch: Optional[bool] = None,
     ) -> torch.Tensor: ...
 
 
@@ -61,21 +63,56 @@ def fp8_flow_dispatcher_backend(config) -> str:
 def build_fp8_flow_block(config, num_local_experts: int, pg_collection) -> torch.nn.Module:
     """The production ``ExpertBlockBuilder``: ``transformer_engine_moe.module.FP8FlowMoE``.
 
-    Each EP rank initialises its experts from its own seed (``initial_seed + 1 + ep_rank``), as
-    Megatron's expert-parallel RNG does, so ranks never hold copies of one another's experts.
+    Initialisation. On the GPU (``use_cpu_initialization`` off) the weights are drawn exactly as
+    Megatron's ``SequentialMLP`` experts draw theirs: on the current device, expert by expert, fc1
+    (``init_method``) then fc2 (``output_layer_init_method``), each by
+    ``_initialize_affine_weight_gpu`` under the expert-parallel CUDA RNG; so a stock run and an
+    FP8-Flow run with one seed start from identical models. Otherwise (CPU) each EP rank draws
+    from its own seed (``initial_seed + 1 + ep_rank``), so ranks never hold copies of one
+    another's experts. ``perform_initialization=False`` leaves the GPU weights undrawn, as Megatron.
+
+    Every parameter gets Megatron's ``allreduce = not expert_parallel``: with EP > 1 its
+    gradient is reduced over the expert data-parallel group, not the whole data-parallel group.
     """
     from transformer_engine_moe import module
 
     ep_size = num_local_experts and config.num_moe_experts // num_local_experts
-    if ep_size <= 1:
-        return _fp8_flow_block(module, config, pg_collection, ep_size)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(torch.initial_seed() + 1 + torch.distributed.get_rank(pg_collection.ep))
-        return _fp8_flow_block(module, config, pg_collection, ep_size)
+    if torch.cuda.is_available() and not config.use_cpu_initialization:
+        block = _fp8_flow_block(module, config, pg_collection, ep_size,
+                                device=torch.cuda.current_device(), undrawn=True)
+        if config.perform_initialization:
+            _draw_as_megatron_experts(block, config)
+    elif ep_size <= 1:
+        block = _fp8_flow_block(module, config, pg_collection, ep_size)
+    else:
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(torch.initial_seed() + 1 + torch.distributed.get_rank(pg_collection.ep))
+            block = _fp8_flow_block(module, config, pg_collection, ep_size)
+    for param in block.parameters():
+        param.allreduce = ep_size <= 1
+    return block
 
 
-def _fp8_flow_block(module, config, pg_collection, ep_size: int) -> torch.nn.Module:
+def _draw_as_megatron_experts(block, config) -> None:
+    """Megatron's GPU draws for ``SequentialMLP``'s expert ``MLP``s (ColumnParallelLinear fc1
+    ``[2F, H]``, RowParallelLinear fc2 ``[H, F]``), in their order, into TE-named weights."""
+    from megatron.core.tensor_parallel.layers import _initialize_affine_weight_gpu
+
+    with torch.no_grad():
+        for i in range(block.num_local_experts):
+            _initialize_affine_weight_gpu(getattr(block.linear_fc1, f"weight{i}"), config.init_method,
+                                          partition_dim=0, stride=2, is_expert=True)
+            _initialize_affine_weight_gpu(getattr(block.linear_fc2, f"weight{i}"),
+                                          config.output_layer_init_method, partition_dim=1, is_expert=True)
+
+
+def _undrawn(weight: torch.Tensor) -> None:
+    """An init method that draws nothing (the weights are drawn afterwards, or loaded)."""
+
+
+def _fp8_flow_block(module, config, pg_collection, ep_size: int, device=None,
+                    undrawn: bool = False) -> torch.nn.Module:
     from transformer_engine_moe.recipe import Format, FP8FlowRecipe
 
     fp8_format = config.moe_fp8_flow_format or config.fp8
@@ -89,9 +126,10 @@ def _fp8_flow_block(module, config, pg_collection, ep_size: int) -> torch.nn.Mod
         dispatcher=fp8_flow_dispatcher_backend(config) if ep_size > 1 else "local",
         recipe=recipe,
         recompute=MOE_EXPERT if MOE_EXPERT in (config.recompute_modules or ()) else None,
-        init_method=config.init_method,
-        output_init_method=config.output_layer_init_method,
+        init_method=_undrawn if undrawn else config.init_method,
+        output_init_method=_undrawn if undrawn else config.output_layer_init_method,
         params_dtype=config.params_dtype if config.params_dtype != torch.float16 else torch.bfloat16,
+        device=device,
     )
 
 
@@ -102,7 +140,11 @@ class FP8FlowMoELayer(MoELayer):
     ``ExpertBlockBuilder``); ``self.experts`` is the block (state-dict keys
     ``mlp.experts.linear_fc1.weight0``...), ``self.token_dispatcher`` is None.
     ``recompute_modules`` 'moe' checkpoints the whole layer as in Megatron; 'moe_expert' is the
-    block's own recompute.
+    block's own recompute. ``is_first_microbatch`` is TE's flag, which Megatron's schedules set
+    (``set_is_first_microbatch``) when ``config.fp8`` is set: then the block's FP8 weights are
+    quantized on a step's first micro-batch and reused by the others. With ``config.fp8`` None
+    (TE absent: the format is ``moe_fp8_flow_format``) or ``disable_parameter_transpose_cache``,
+    nobody resets the flag, so the weights are quantized on every micro-batch.
     """
 
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
@@ -125,6 +167,7 @@ class FP8FlowMoELayer(MoELayer):
         self.shared_experts_recompute = selective and "shared_experts" in config.recompute_modules
         self.router = submodules.router(config=config, pg_collection=pg_collection, **mtp)
         self.experts = submodules.experts(config, self.num_local_experts, pg_collection)
+        self.is_first_microbatch = True
         if self.use_shared_expert:
             self.shared_experts = _build_shared_experts(submodules.shared_experts, config,
                                                         pg_collection)
@@ -139,7 +182,10 @@ class FP8FlowMoELayer(MoELayer):
                 shared = self.shared_experts(hidden_states)
         probs, routing_map = self.router(hidden_states, padding_mask)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        output = self.experts(tokens, probs, routing_map).view(hidden_states.shape)
+        cache = self.config.fp8 is not None and not self.config.disable_parameter_transpose_cache
+        first, self.is_first_microbatch = self.is_first_microbatch if cache else None, False
+        output = self.experts(tokens, probs, routing_map, is_first_microbatch=first)
+        output = output.view(hidden_states.shape)
         return output if shared is None else output + shared
 
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None,

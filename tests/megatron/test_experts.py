@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_patches
+from conftest import requires_cuda
 
 
 class _ReferenceBlock(torch.nn.Module):
@@ -25,7 +26,7 @@ class _ReferenceBlock(torch.nn.Module):
             self.linear_fc1.register_parameter(f"weight{i}", torch.nn.Parameter(0.02 * torch.randn(2 * f, h)))
             self.linear_fc2.register_parameter(f"weight{i}", torch.nn.Parameter(0.02 * torch.randn(h, f)))
 
-    def forward(self, hidden_states, probs, routing_map):
+    def forward(self, hidden_states, probs, routing_map, is_first_microbatch=None):
         out = torch.zeros_like(hidden_states)
         for e in range(routing_map.shape[1]):
             rows = routing_map[:, e].nonzero().squeeze(1)
@@ -33,6 +34,18 @@ class _ReferenceBlock(torch.nn.Module):
             y = (torch.nn.functional.silu(a) * b) @ getattr(self.linear_fc2, f"weight{e}").t()
             out.index_add_(0, rows, y * probs[rows, e, None].to(y.dtype))
         return out
+
+
+class _RecordingBlock(_ReferenceBlock):
+    """Records the ``is_first_microbatch`` flag of each call."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.flags = []
+
+    def forward(self, hidden_states, probs, routing_map, is_first_microbatch=None):
+        self.flags.append(is_first_microbatch)
+        return super().forward(hidden_states, probs, routing_map)
 
 
 @pytest.fixture(scope="module")
@@ -113,3 +126,51 @@ def test_spec_unchanged_without_fp8_flow(world_of_one):
     assert fp8_flow_layer_spec(spec, config) is spec
     with pytest.raises(ValueError, match="no MoELayer"):
         fp8_flow_layer_spec(get_gpt_layer_local_spec(), _config())
+
+
+def test_is_first_microbatch_follows_megatron_schedules(world_of_one):
+    """With ``config.fp8`` set (TE present), Megatron's schedules call ``set_is_first_microbatch`` on a step's
+    first micro-batch: the block gets True once, then False (FP8 weights reused). With ``fp8`` None nothing
+    resets the flag, so the block gets None (weights quantized every call)."""
+    config = _config(recompute_modules=None, recompute_granularity=None)
+    model = _model(config, _RecordingBlock)
+    tokens = torch.randint(0, 256, (2, 32))
+    run = lambda: model(tokens, torch.arange(32).expand(2, -1), None, labels=tokens)
+    block = model.decoder.layers[0].mlp.experts
+    run(), run()
+    assert block.flags == [None, None]
+    config.fp8 = "e4m3"
+    model.set_is_first_microbatch(), run(), run(), model.set_is_first_microbatch(), run()
+    assert block.flags[2:] == [True, False, True]
+    config.disable_parameter_transpose_cache = True
+    model.set_is_first_microbatch(), run()
+    assert block.flags[5:] == [None]
+
+
+@requires_cuda
+def test_gpu_initialisation_matches_megatron_experts(world_of_one):
+    """On the GPU the FP8-Flow block draws its weights as Megatron's SequentialMLP experts do, so a stock
+    model and an FP8-Flow model built from one seed are identical, experts included."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_patches.experts import build_fp8_flow_block
+
+    sizes = dict(hidden_size=128, moe_ffn_hidden_size=128, use_cpu_initialization=False,
+                 params_dtype=torch.bfloat16, recompute_modules=None, recompute_granularity=None)
+    models = []
+    for flow in (False, True):
+        torch.manual_seed(5)
+        model_parallel_cuda_manual_seed(5)
+        config = _config(**sizes, moe_fp8_flow=flow, moe_grouped_gemm=flow)
+        models.append(_model(config, build_fp8_flow_block) if flow else GPTModel(
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4), vocab_size=256,
+            max_sequence_length=32))
+    stock, flow = (dict(m.named_parameters()) for m in models)
+    for name, param in flow.items():
+        if ".mlp.experts." in name:  # decoder.layers.{l}.mlp.experts.linear_fc{1,2}.weight{i}
+            prefix, fc, weight = name.rsplit(".", 2)
+            name = f"{prefix}.local_experts.{weight[len('weight'):]}.{fc}.weight"
+        assert param.device.type == "cuda" and torch.equal(param, stock[name]), name
+    assert len(flow) == len(stock)

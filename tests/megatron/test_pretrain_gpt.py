@@ -88,7 +88,7 @@ def test_fp8_flow_experts_are_in_use(tmp_path, monkeypatch):
 
     seen, layers = [], []
     forward = GroupedLinear.forward
-    monkeypatch.setattr(GroupedLinear, "forward", lambda self, inp, m: seen.append(type(inp)) or forward(self, inp, m))
+    monkeypatch.setattr(GroupedLinear, "forward", lambda self, inp, *a: seen.append(type(inp)) or forward(self, inp, *a))
     build = compact_loop.build_model
 
     def build_and_record(args):
@@ -118,3 +118,40 @@ def test_fp8_flow_two_steps_expert_parallel_2(tmp_path):
               for f in sorted((tmp_path / "ckpt" / "iter_0000002").iterdir())]
     key = "decoder.layers.0.mlp.experts.linear_fc1.weight1"
     assert all(key in s for s in states) and not torch.equal(states[0][key], states[1][key])
+
+
+def _reduce_grads_rank(rank, world, port, out):
+    from megatron_patches import apply, compact_loop
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    args = compact_loop.parse_args(FP8_MODEL + FP8_FLOW + ["--expert-model-parallel-size", "2"])
+    apply()
+    compact_loop._init_distributed(args)
+    torch.manual_seed(args.seed)
+    model = compact_loop.build_model(args)
+    tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(rank))
+    model(tokens, torch.arange(64).expand(2, -1), None, labels=tokens).float().mean().backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    compact_loop._reduce_grads(model)
+    after = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    flags = {n: p.allreduce for n, p in model.named_parameters() if hasattr(p, "allreduce")}
+    torch.save({"before": before, "after": after, "allreduce": flags}, f"{out}/rank{rank}.pt")
+
+
+def test_expert_gradients_stay_on_their_expert_parallel_rank(tmp_path):
+    """EP=2 on 2 ranks (data-parallel 2, expert data-parallel 1): the FP8-Flow block's parameters carry
+    Megatron's ``allreduce=False``, so the gradient reduction averages dense gradients over both ranks and
+    leaves each rank's expert gradients alone (averaging them would mix different experts)."""
+    mp.start_processes(_reduce_grads_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    expert = [n for n in ranks[0]["before"] if ".mlp.experts." in n]
+    dense = [n for n in ranks[0]["before"] if ".mlp.experts." not in n]
+    assert len(expert) == 8 and dense
+    assert all(ranks[0]["allreduce"][n] is False for n in expert)
+    assert all(ranks[0]["allreduce"].get(n, True) for n in dense)
+    for r in ranks:
+        for n in expert:
+            assert torch.equal(r["after"][n], r["before"][n]), n
+    for n in dense:
+        mean = (ranks[0]["before"][n] + ranks[1]["before"][n]) / 2
+        assert torch.allclose(ranks[0]["after"][n], mean, rtol=1e-5, atol=1e-7), n
