@@ -18,13 +18,16 @@ def apply() -> str:
     """Patch megatron-core for FP8-Flow; idempotent. Returns the megatron-core version.
 
     Checks the version (RuntimeError outside 0.16.1 / 0.19.x), makes ``TransformerConfig``
-    accept ``moe_fp8_flow`` and ``recompute_modules`` 'moe_expert' with validation, and on a
-    machine without CUDA installs ``cpu_shims``.
+    accept ``moe_fp8_flow`` and ``recompute_modules`` 'moe_expert' with validation, makes
+    ``set_is_first_microbatch`` reach the FP8-Flow layers (``experts.patch_set_is_first_microbatch``),
+    and on a machine without CUDA installs ``cpu_shims``.
     """
     from .config import megatron_core_version, patch_transformer_config
     from .cpu_shims import apply_cpu_shims
+    from .experts import patch_set_is_first_microbatch
 
     version = megatron_core_version()
     patch_transformer_config()
+    patch_set_is_first_microbatch()
     apply_cpu_shims()
     return version

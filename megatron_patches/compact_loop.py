@@ -286,6 +286,7 @@ def train(args) -> dict:
                 group["lr"] = _lr(args, step)
             optimizer.zero_grad(set_to_none=True)
             total = torch.zeros(())
+            model.set_is_first_microbatch()  # FP8-Flow layers requantize their weights once per step
             for micro in range(accumulation):
                 first = step * gbs + (micro * dp_size + dp_rank) * args.micro_batch_size
                 tokens, labels = stream.batch(first, args.micro_batch_size)

@@ -24,6 +24,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from .config import _MARK
 from .settings import MOE_EXPERT
 
 
@@ -141,10 +142,12 @@ class FP8FlowMoELayer(MoELayer):
     ``mlp.experts.linear_fc1.weight0``...), ``self.token_dispatcher`` is None.
     ``recompute_modules`` 'moe' checkpoints the whole layer as in Megatron; 'moe_expert' is the
     block's own recompute. ``is_first_microbatch`` is TE's flag, which Megatron's schedules set
-    (``set_is_first_microbatch``) when ``config.fp8`` is set: then the block's FP8 weights are
-    quantized on a step's first micro-batch and reused by the others. With ``config.fp8`` None
-    (TE absent: the format is ``moe_fp8_flow_format``) or ``disable_parameter_transpose_cache``,
-    nobody resets the flag, so the weights are quantized on every micro-batch.
+    through ``set_is_first_microbatch`` on a step's first micro-batch (patched by
+    ``patch_set_is_first_microbatch`` to reach these layers when ``config.fp8`` is None, i.e. TE
+    absent): the block's FP8 weights are quantized then and reused by the step's other
+    micro-batches. A training loop of one's own must call ``model.set_is_first_microbatch()``
+    before each step, as for Megatron's TE layers. ``disable_parameter_transpose_cache``: the
+    weights are quantized on every micro-batch.
     """
 
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
@@ -182,7 +185,7 @@ class FP8FlowMoELayer(MoELayer):
                 shared = self.shared_experts(hidden_states)
         probs, routing_map = self.router(hidden_states, padding_mask)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        cache = self.config.fp8 is not None and not self.config.disable_parameter_transpose_cache
+        cache = not self.config.disable_parameter_transpose_cache
         first, self.is_first_microbatch = self.is_first_microbatch if cache else None, False
         output = self.experts(tokens, probs, routing_map, is_first_microbatch=first)
         output = output.view(hidden_states.shape)
@@ -206,6 +209,31 @@ class FP8FlowMoELayer(MoELayer):
         """Delayed weight gradients are not split out of the FP8-Flow block."""
         raise NotImplementedError("FP8FlowMoELayer computes weight gradients in backward; "
                                   "delay_wgrad_compute is not supported with moe_fp8_flow")
+
+
+def patch_set_is_first_microbatch() -> None:
+    """Make ``MegatronModule.set_is_first_microbatch`` reset ``FP8FlowMoELayer`` flags too (idempotent).
+
+    Megatron's schedules call it on each step's first micro-batch, but stock resets its modules
+    only when ``config.fp8`` is set, and without TransformerEngine FP8-Flow runs with ``fp8``
+    None: the layers would never see True again and keep the first step's FP8 weights.
+    """
+    from megatron.core.transformer.module import MegatronModule
+
+    original = MegatronModule.set_is_first_microbatch
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def set_is_first_microbatch(self):
+        original(self)
+        if not hasattr(self, "_fp8_flow_layers"):
+            self._fp8_flow_layers = [m for m in self.modules() if isinstance(m, FP8FlowMoELayer)]
+        for layer in self._fp8_flow_layers:
+            layer.is_first_microbatch = True
+
+    setattr(set_is_first_microbatch, _MARK, True)
+    MegatronModule.set_is_first_microbatch = set_is_first_microbatch
 
 
 def _build_shared_experts(spec, config, pg_collection):

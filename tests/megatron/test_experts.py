@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 
 import megatron_patches
-from conftest import requires_cuda
+from conftest import CUDA, requires_cuda
+
+DEVICE = "cuda" if CUDA else "cpu"
 
 
 class _ReferenceBlock(torch.nn.Module):
@@ -56,8 +58,13 @@ def world_of_one():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("nccl" if CUDA else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
     parallel_state.initialize_model_parallel()
+    if CUDA:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
     yield
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
@@ -85,7 +92,7 @@ def _model(config, block_builder):
 
     spec = fp8_flow_layer_spec(get_gpt_layer_local_spec(num_experts=4), config, block_builder)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=256,
-                    max_sequence_length=32)
+                    max_sequence_length=32).to(DEVICE)
 
 
 def test_swapped_layer_trains_with_te_parameter_names(world_of_one):
@@ -98,8 +105,8 @@ def test_swapped_layer_trains_with_te_parameter_names(world_of_one):
     names = set(model.state_dict())
     assert "decoder.layers.0.mlp.experts.linear_fc1.weight3" in names
     assert "decoder.layers.0.mlp.router.weight" in names
-    tokens = torch.randint(0, 256, (2, 32))
-    loss = model(tokens, torch.arange(32).expand(2, -1), None, labels=tokens).mean()
+    tokens = torch.randint(0, 256, (2, 32), device=DEVICE)
+    loss = model(tokens, torch.arange(32, device=DEVICE).expand(2, -1), None, labels=tokens).mean()
     loss.backward()
     assert layer.experts.linear_fc2.weight0.grad is not None and layer.router.weight.grad is not None
 
@@ -129,22 +136,21 @@ def test_spec_unchanged_without_fp8_flow(world_of_one):
 
 
 def test_is_first_microbatch_follows_megatron_schedules(world_of_one):
-    """With ``config.fp8`` set (TE present), Megatron's schedules call ``set_is_first_microbatch`` on a step's
-    first micro-batch: the block gets True once, then False (FP8 weights reused). With ``fp8`` None nothing
-    resets the flag, so the block gets None (weights quantized every call)."""
+    """Megatron's schedules call ``set_is_first_microbatch`` on a step's first micro-batch; stock resets only
+    TE modules and only when ``config.fp8`` is set, patched it also resets the FP8-Flow layers with ``fp8``
+    None (TE absent): the block gets True once per step (FP8 weights quantized), then False (reused).
+    ``disable_parameter_transpose_cache``: None (quantized every call)."""
     config = _config(recompute_modules=None, recompute_granularity=None)
+    assert config.fp8 is None
     model = _model(config, _RecordingBlock)
-    tokens = torch.randint(0, 256, (2, 32))
-    run = lambda: model(tokens, torch.arange(32).expand(2, -1), None, labels=tokens)
+    tokens = torch.randint(0, 256, (2, 32), device=DEVICE)
+    run = lambda: model(tokens, torch.arange(32, device=DEVICE).expand(2, -1), None, labels=tokens)
     block = model.decoder.layers[0].mlp.experts
-    run(), run()
-    assert block.flags == [None, None]
-    config.fp8 = "e4m3"
-    model.set_is_first_microbatch(), run(), run(), model.set_is_first_microbatch(), run()
-    assert block.flags[2:] == [True, False, True]
+    run(), run(), model.set_is_first_microbatch(), run(), run()
+    assert block.flags == [True, False, True, False]
     config.disable_parameter_transpose_cache = True
     model.set_is_first_microbatch(), run()
-    assert block.flags[5:] == [None]
+    assert block.flags[4:] == [None]
 
 
 @requires_cuda
@@ -166,11 +172,11 @@ def test_gpu_initialisation_matches_megatron_experts(world_of_one):
         config = _config(**sizes, moe_fp8_flow=flow, moe_grouped_gemm=flow)
         models.append(_model(config, build_fp8_flow_block) if flow else GPTModel(
             config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=4), vocab_size=256,
-            max_sequence_length=32))
+            max_sequence_length=32).cuda())
     stock, flow = (dict(m.named_parameters()) for m in models)
     for name, param in flow.items():
         if ".mlp.experts." in name:  # decoder.layers.{l}.mlp.experts.linear_fc{1,2}.weight{i}
             prefix, fc, weight = name.rsplit(".", 2)
             name = f"{prefix}.local_experts.{weight[len('weight'):]}.{fc}.weight"
-        assert param.device.type == "cuda" and torch.equal(param, stock[name]), name
+        assert torch.equal(param, stock[name]), name
     assert len(flow) == len(stock)
