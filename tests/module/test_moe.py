@@ -1,4 +1,4 @@
-"""FP8FlowMoE: EP=1 vs the BF16 reference block, recompute bitwise, saved-activation bytes, routing corner
+"""FP8FlowMoE: EP=1 vs the BF16 reference block, recompute bitwise, FP8 weight reuse, saved-activation bytes, routing corner
 cases, bad input, and EP=2 / EP=4 over gloo (spawned) against EP=1 on the same global batch."""
 
 import json
@@ -84,6 +84,26 @@ def test_moe_expert_recompute_is_bitwise_and_keeps_only_the_fp8_input():
     bf16 = step(ref, *batch(2))[5]
     assert c[5] <= 0.3 * bf16
     assert c[5] <= T * (H + 4 * H // 128) + 4 * T * K * (8 + 4) + 4096  # FP8 rows + scales + routing, small extras
+
+
+def test_moe_expert_recompute_reuses_the_cached_fp8_weights():
+    """TE's ``is_first_microbatch``: True quantizes fc1's and fc2's weights once and the backward rerun reuses
+    them; False quantizes nothing; None quantizes in the forward and again in the rerun."""
+    from transformer_engine_moe.recipe import Role
+
+    fp8, _ = pair(recompute="moe_expert")
+    quantized = []
+    for linear in (fp8.linear_fc1, fp8.linear_fc2):
+        quantize = linear.quantizers[Role.WEIGHT]
+        linear.quantizers[Role.WEIGHT] = lambda w, q=quantize: quantized.append(w.shape) or q(w)
+    x, ids, probs = batch(3)
+    fwd_bwd = lambda **kw: fp8.forward_topk(x.clone().requires_grad_(), ids, probs, **kw).float().sum().backward()
+    fwd_bwd(is_first_microbatch=True)
+    assert len(quantized) == 2
+    fwd_bwd(is_first_microbatch=False)
+    assert len(quantized) == 2
+    fwd_bwd()
+    assert len(quantized) == 6
 
 
 @pytest.mark.parametrize("case", ["one-expert", "no-tokens"])

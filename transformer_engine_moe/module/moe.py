@@ -16,7 +16,9 @@ reference block of tests and benchmarks. ``precision="blockwise_casts"`` is toda
 (TransformerEngine's Float8BlockScaling with Megatron): BF16 dispatch and permute, each GEMM quantizes
 its BF16 input and returns BF16, an unfused BF16 SwiGLU in between: the baseline FP8-Flow removes.
 ``recompute="moe_expert"`` keeps only the dispatched FP8 input (data, scales, probs, routing) for
-backward and reruns ``experts`` there; nothing is re-dispatched.
+backward and reruns ``experts`` there; nothing is re-dispatched. A forward called with
+``is_first_microbatch=True`` caches its FP8 weights and the rerun reuses them; with None (no cache)
+the rerun quantizes the weights again.
 """
 
 from __future__ import annotations
@@ -163,8 +165,14 @@ class FP8FlowMoE(nn.Module):
             raise ValueError(f"topk_ids must be [T, topk={self.topk}], got {list(topk_ids.shape)}")
         res = self.dispatch(self.quantize(hidden), topk_ids, topk_probs.float())
         if self.recompute == "moe_expert":
-            y = torch.utils.checkpoint.checkpoint(self.experts, res.hidden, res.topk_ids, res.topk_probs,
-                                                  res.tokens_per_expert, is_first_microbatch, use_reentrant=False)
+            flag = [is_first_microbatch]
+
+            def experts(hidden, topk_ids, topk_probs):  # the recompute reuses the FP8 weights cached by True
+                first, flag[0] = flag[0], (False if flag[0] else flag[0])
+                return self.experts(hidden, topk_ids, topk_probs, res.tokens_per_expert, first)
+
+            y = torch.utils.checkpoint.checkpoint(experts, res.hidden, res.topk_ids, res.topk_probs,
+                                                  use_reentrant=False)
         else:
             y = self.experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert, is_first_microbatch)
         return self.combine(y, res.handle)
