@@ -1,11 +1,12 @@
 """grouped_gemm / grouped_gemm_wgrad: Triton kernels (interpreter on CPU) and cuBLAS (GPU) vs the float32
-reference on dequantized operands; ragged and empty groups; list vs tensor splits; bad inputs."""
+reference on dequantized operands; ragged and empty groups; list vs tensor splits; the weights' byte
+transpose; bad inputs."""
 
 import pytest
 import torch
 
 from conftest import CUDA, KERNEL_DEVICE, requires_cuda
-from transformer_engine_moe import quantize_blockwise, scaling_aware_transpose
+from transformer_engine_moe import Float8BlockwiseQTensor, quantize_blockwise, scaling_aware_transpose
 from transformer_engine_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -77,6 +78,22 @@ def test_wgrad_matches_reference_and_accumulates(splits, as_tensor):
     assert relerr(main_grad - 1, ref) < TOL
     bf16 = grouped_gemm_wgrad(dy, x, ms, out_dtype=torch.bfloat16, backend="triton")  # the weights' dtype
     assert bf16.dtype == torch.bfloat16 and relerr(bf16, ref) < 2**-8
+
+
+@pytest.mark.parametrize("g,n,k", [(3, 256, 384), (1, 128, 128), (0, 128, 256)], ids=str)
+def test_transpose_grouped_weight_kernel_is_the_byte_transpose(g, n, k):
+    """Every byte value (NaN and inf codes included) lands at its transposed place; scales transposed."""
+    data = torch.randint(0, 256, (g * n, k), dtype=torch.uint8, device=KERNEL_DEVICE)
+    scale = torch.rand(g * n // 128, k // 128, device=KERNEL_DEVICE)
+    w = Float8BlockwiseQTensor(shape=(g, n, k), dtype=torch.bfloat16, fp8_dtype=E4M3, is_2D_scaled=True,
+                               rowwise_data=data.view(E4M3), rowwise_scale_inv=scale)
+    out = transpose_grouped_weight(w, backend="triton")
+    ref = transpose_grouped_weight(w, backend="reference")
+    assert out.shape == ref.shape == (g, k, n)
+    assert torch.equal(out.rowwise_data.view(torch.uint8), ref.rowwise_data.view(torch.uint8))
+    assert torch.equal(out.rowwise_scale_inv, ref.rowwise_scale_inv)
+    expected = data.view(g, n, k).transpose(1, 2).reshape(g * k, n)
+    assert torch.equal(ref.rowwise_data.view(torch.uint8), expected)
 
 
 def test_empty_input():

@@ -1,4 +1,4 @@
-"""Triton kernels for the scaling-aware FP8 transpose, and their launcher.
+"""Triton kernels for the scaling-aware FP8 transpose and the 128x128 byte transpose, and their launchers.
 
 Rowwise 1x128 FP8 ``q [M, K]`` with power-of-two ``scale_inv [M, ceil(K/128)]``
 becomes columnwise 128x1 FP8 ``qt [K, M]`` with block-major
@@ -18,9 +18,14 @@ rounds with the hardware FP8 conversion; under the interpreter it is integer
 arithmetic on the codes. Both are the same function (tested bit for bit on the
 GPU). A non-power-of-two row scale turns its column block's scales to NaN: the
 device-side guard against a mislabelled tensor.
+
+``transpose_128x128`` (weights, 128x128 blocks: the scales are transpose-invariant) moves bytes
+only: ``_byte_transpose_kernel``, one program per square tile of one matrix.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -33,6 +38,8 @@ from .groups import column_block_rows, group_sizes_arg
 
 # (BLOCK_K, num_warps) of the shift-transpose kernel, from benchmarks/bench_transpose.py's sweep.
 TRANSPOSE_CONFIG = (128, 4)
+# (BLOCK, num_warps) of the byte transpose, from benchmarks/bench_transpose_grouped_weight.py's sweep.
+BYTE_TRANSPOSE_CONFIG = (64, 4)
 
 
 @triton.jit
@@ -160,3 +167,29 @@ def scaling_aware_transpose(
             BLOCK_K=block_k, num_warps=num_warps,
         )
     return qt, st
+
+
+@triton.jit
+def _byte_transpose_kernel(src, dst, N, K, BLOCK: tl.constexpr):
+    """``dst[g, k, n] = src[g, n, k]`` for one ``BLOCK x BLOCK`` tile; N and K are multiples of BLOCK."""
+    pid_k, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    base = g.to(tl.int64) * N * K
+    rn = (pid_n * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    rk = (pid_k * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    tile = tl.load(src + base + rn[:, None] * K + rk[None, :])
+    tl.store(dst + base + rk[:, None] * N + rn[None, :], tl.trans(tile))
+
+
+def transpose_128x128(data: torch.Tensor, scale_inv: torch.Tensor, *,
+                      config: Optional[tuple[int, int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``data [G, N, K]`` FP8 (N, K multiples of 128), ``scale_inv [G, N/128, K/128]`` -> ``[G, K, N]``
+    and ``[G, K/128, N/128]`` (rule in ``reference/transpose.py``). ``config``: ``(BLOCK, num_warps)``."""
+    g, n, k = data.shape
+    out = torch.empty((g, k, n), dtype=data.dtype, device=data.device)
+    block, num_warps = config or BYTE_TRANSPOSE_CONFIG
+    if BLOCK_SIZE % block:
+        raise ValueError(f"BLOCK must divide {BLOCK_SIZE}, got {block}")
+    if out.numel():
+        _byte_transpose_kernel[(k // block, n // block, g)](
+            data.view(torch.uint8), out.view(torch.uint8), n, k, BLOCK=block, num_warps=num_warps)
+    return out, scale_inv.transpose(1, 2).contiguous()

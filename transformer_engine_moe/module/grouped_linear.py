@@ -150,7 +150,7 @@ class GroupedLinear(nn.Module):
             w = self.quantizers[Role.WEIGHT](stacked)
             w = w._make_like(shape=(self.num_gemms, self.out_features, self.in_features),
                              rowwise_data=w.rowwise_data, rowwise_scale_inv=w.rowwise_scale_inv)
-        weights = (w, transpose_grouped_weight(w))
+        weights = (w, transpose_grouped_weight(w, "reference" if self.backend == "reference" else "auto"))
         self._cache = None if is_first_microbatch is None else weights
         return weights
 

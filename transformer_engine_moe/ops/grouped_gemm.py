@@ -27,7 +27,7 @@ import torch
 
 from ..layout import MSplits, check_m_splits
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .backend import check_on_device, use_triton
+from .backend import check_on_device, implementation, use_triton
 
 GEMM_BACKENDS = ("auto", "triton", "cublas", "reference")
 # "auto" takes cuBLAS only for experts this large on average: below it the per-expert launches cost more
@@ -105,16 +105,18 @@ def check_grouped_weight(weight, name: str = "weight") -> tuple[torch.Tensor, to
     return weight.rowwise_data.view(g, n, k), weight.rowwise_scale_inv.view(g, n // 128, k // 128)
 
 
-def transpose_grouped_weight(weight: Float8BlockwiseQTensor) -> Float8BlockwiseQTensor:
+def transpose_grouped_weight(weight: Float8BlockwiseQTensor, backend: str = "auto") -> Float8BlockwiseQTensor:
     """``[G, N, K]`` 128x128 FP8 -> ``[G, K, N]`` (each expert transposed; exact: the scales are
-    transpose-invariant). The dgrad GEMM's K-major operand."""
+    transpose-invariant). The dgrad GEMM's K-major operand. ``backend``: ``"auto"`` (Triton byte
+    transpose on CUDA, reference elsewhere), ``"triton"`` or ``"reference"``."""
     data, scale = check_grouped_weight(weight)
     g, n, k = weight.shape
+    kernel = use_triton(backend, data, "transpose_grouped_weight")
+    data_t, scale_t = implementation(kernel, "transpose").transpose_128x128(data, scale)
     return Float8BlockwiseQTensor(
         shape=(g, k, n), dtype=weight.dtype, fp8_dtype=weight.fp8_dtype, is_2D_scaled=True,
-        pow2_scales=weight.pow2_scales,
-        rowwise_data=data.transpose(1, 2).contiguous().view(g * k, n),
-        rowwise_scale_inv=scale.transpose(1, 2).contiguous().view(g * k // 128, n // 128),
+        pow2_scales=weight.pow2_scales, rowwise_data=data_t.view(g * k, n),
+        rowwise_scale_inv=scale_t.view(g * k // 128, n // 128),
     )
 
 

@@ -85,3 +85,10 @@ def double_quantize_columnwise(
     Returns ``(data_t [K, M], scale_inv_t [num_column_blocks, K])``."""
     hp = dequantize_1x128(data, scale_inv, intermediate_dtype)
     return quantize_128x1(hp, data.dtype, pow2_scales, 0.0, m_splits)
+
+
+def transpose_128x128(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128-scaled FP8 ``data [G, N, K]`` and ``scale_inv [G, N/128, K/128]`` -> ``[G, K, N]`` and
+    ``[G, K/128, N/128]``: each matrix transposed byte for byte, exact (a 128x128 block's scale is
+    transpose-invariant, so no code changes). The weights' dgrad copy."""
+    return data.transpose(1, 2).contiguous(), scale_inv.transpose(1, 2).contiguous()
