@@ -150,8 +150,8 @@ def main():
     path = utils.write_results("bench_grouped_linear", "GroupedLinear forward+backward", env, ceil, rows,
                                ["shape", "path", "ms", "tflops", "speedup_over_bf16"],
                                notes="tflops counts 3 GEMMs (fprop, dgrad, wgrad). FP8 includes quantizing "
-                                     "dY and X (if BF16), both scaling-aware transposes and the per-expert "
-                                     "weight cache hit.")
+                                     "dY and X (if BF16), both scaling-aware transposes, and quantizing the "
+                                     "weights 128x128 (and W^T) every call, as with one micro-batch per step.")
     print(path.read_text())
 
 

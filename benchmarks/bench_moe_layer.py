@@ -1,7 +1,8 @@
 """The FP8-Flow MoE expert block vs the BF16 block and today's blockwise FP8 with casts, EP=1, on the GPU.
 
 DeepSeek-V3-like experts: hidden 7168, ffn 2048, top-8 routing over 8 or 32 local experts, 16384 tokens
-(131072 routed rows). Step time (forward + backward of the block, router outside), peak memory, and the
+(131072 routed rows). Step time (forward + backward of the block, router outside; FP8 weights quantized
+once per step, as on a step's first micro-batch, and reused by the moe_expert rerun), peak memory, and the
 activation bytes autograd keeps for backward, with and without ``moe_expert`` recompute, for the same
 parameters in every block. BF16 block: per-expert cuBLAS BF16 GEMMs, float32 SwiGLU, the same
 permute/unpermute. Blockwise with casts: BF16 between ops, each GEMM quantizing its BF16 input (as
@@ -22,8 +23,8 @@ TOKENS, HIDDEN, FFN, TOPK = 16384, 7168, 2048, 8
 
 
 def measure(model, x, ids, probs, dy) -> dict:
-    def fwd_bwd():
-        y = model.forward_topk(x, ids, probs)
+    def fwd_bwd():  # one micro-batch per step: the FP8 weights are quantized once per step
+        y = model.forward_topk(x, ids, probs, is_first_microbatch=True)
         y.backward(dy)
 
     ms = utils.time_ms(fwd_bwd, 100, 1000)
@@ -31,7 +32,7 @@ def measure(model, x, ids, probs, dy) -> dict:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    saved, y = saved_activation_bytes(lambda: model.forward_topk(x, ids, probs))
+    saved, y = saved_activation_bytes(lambda: model.forward_topk(x, ids, probs, is_first_microbatch=True))
     y.backward(dy)
     peak = torch.cuda.max_memory_allocated() - base
     return dict(ms=ms, saved_gib=saved / 2**30, peak_gib=peak / 2**30)
