@@ -138,8 +138,23 @@ def _shim_alltoall_streams() -> None:
         A2A._maybe_dtoh_and_synchronize = _mark(_host_dtoh_and_synchronize)
 
 
+def _host_synchronize(device=None) -> None:
+    """Stands in for ``torch.cuda.synchronize()``: with no device there is nothing to wait for."""
+
+
+def _shim_synchronize() -> None:
+    """``torch.cuda.synchronize`` -> a no-op.
+
+    Megatron's distributed checkpoint (``dist_checkpointing``, torch_dist format) synchronizes
+    the device before copying tensors to the host; a CPU-only torch raises there.
+    """
+    if not _installed(torch.cuda.synchronize):
+        torch.cuda.synchronize = _mark(_host_synchronize)
+
+
 SHIMS = (
     _shim_current_device,
+    _shim_synchronize,
     _shim_causal_mask,
     _shim_rng_fork,
     _shim_checkpoint_rng,

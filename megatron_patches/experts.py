@@ -165,12 +165,14 @@ class FP8FlowMoELayer(MoELayer):
                               pg_collection=pg_collection, **mtp)
         self.submodules = submodules
         self.tp_group = pg_collection.tp
+        self.pg_collection = pg_collection
         selective = config.recompute_granularity == "selective"
         self.moe_layer_recompute = selective and "moe" in config.recompute_modules
         self.shared_experts_recompute = selective and "shared_experts" in config.recompute_modules
         self.router = submodules.router(config=config, pg_collection=pg_collection, **mtp)
         self.experts = submodules.experts(config, self.num_local_experts, pg_collection)
         self.is_first_microbatch = True
+        self._register_load_state_dict_pre_hook(_drop_extra_states)
         if self.use_shared_expert:
             self.shared_experts = _build_shared_experts(submodules.shared_experts, config,
                                                         pg_collection)
@@ -205,10 +207,61 @@ class FP8FlowMoELayer(MoELayer):
             output = self._moe(hidden_states, padding_mask)
         return output, None
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Megatron's distributed-checkpoint view; the block's weights under the sharded keys of
+        Megatron's ``SequentialMLP`` / ``TEGroupedMLP`` (interchangeable with both).
+
+        Local expert ``i`` of EP rank ``r`` is global expert ``g = r * L + i``: ``linear_fc{1,2}.weight{i}``
+        maps to ``{prefix}experts.experts.linear_fc{1,2}.weight`` with an expert axis ``(axis, g, E)``
+        prepended to the layer's offsets (``singleton_local_shards``: key ``...experts.experts.{g}.``,
+        no axis), tensor-parallel axes 0 / 1 over the expert TP group, fc1 split into its gate and up
+        halves by Megatron's SwiGLU factory, and replica id ``(pp, tp, expert data-parallel rank)``.
+        Each expert linear also gets the (empty) ``_extra_state`` object Megatron's linears save, so
+        stock models load these checkpoints; on load the block drops them (``_drop_extra_states``).
+        """
+        from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
+        from megatron.core.transformer.utils import (
+            ensure_metadata_has_dp_cp_group,
+            make_sharded_tensors_for_checkpoint,
+        )
+
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        block_prefix = f"{prefix}experts."
+        sharded = {k: v for k, v in super().sharded_state_dict(prefix, sharded_offsets, metadata).items()
+                   if not k.startswith(block_prefix)}
+        singleton = metadata.get("singleton_local_shards", False)
+        ep, expt_tp, expt_dp = self.pg_collection.ep, self.pg_collection.expt_tp, self.pg_collection.expt_dp
+        local = self.num_local_experts
+        for i in range(local):
+            g = torch.distributed.get_rank(ep) * local + i
+            offsets = sharded_offsets if singleton else (
+                *sharded_offsets, (len(sharded_offsets), g, local * torch.distributed.get_world_size(ep)))
+            key_prefix = f"{block_prefix}experts.{g}." if singleton else f"{block_prefix}experts."
+            for fc, tp_axis in (("linear_fc1", 0), ("linear_fc2", 1)):
+                weight = getattr(getattr(self.experts, fc), f"weight{i}")
+                tensors = make_sharded_tensors_for_checkpoint(
+                    {"weight": weight, "_extra_state": None}, f"{key_prefix}{fc}.", {"weight": tp_axis},
+                    offsets, tp_group=expt_tp, dp_cp_group=metadata["dp_cp_group"])
+                for tensor in tensors.values():
+                    tensor.replica_id = (*tensor.replica_id[:2], torch.distributed.get_rank(expt_dp))
+                tensor = tensors[f"{key_prefix}{fc}.weight"]
+                if fc == "linear_fc1" and self.config.gated_linear_unit:
+                    tensor = apply_swiglu_sharded_factory(tensor, offsets, singleton)
+                sharded[f"{block_prefix}{fc}.weight{i}"] = tensor
+                sharded[f"{block_prefix}{fc}._extra_state{i}"] = tensors[f"{key_prefix}{fc}._extra_state"]
+        return sharded
+
     def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False):
         """Delayed weight gradients are not split out of the FP8-Flow block."""
         raise NotImplementedError("FP8FlowMoELayer computes weight gradients in backward; "
                                   "delay_wgrad_compute is not supported with moe_fp8_flow")
+
+
+def _drop_extra_states(state_dict, prefix, *args) -> None:
+    """Load pre-hook: drop the experts' ``_extra_state`` entries of ``sharded_state_dict`` (always
+    None, written for stock models' sake); the block has no module state to put them in."""
+    for key in [k for k in state_dict if k.startswith(f"{prefix}experts.") and "._extra_state" in k]:
+        del state_dict[key]
 
 
 def patch_set_is_first_microbatch() -> None:
