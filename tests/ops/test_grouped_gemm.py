@@ -123,9 +123,13 @@ def test_empty_input():
                                          [128, 128]), ValueError, r"inp's columnwise copy is grouped by \[256\]"),
         (lambda x, w: grouped_gemm_wgrad(*[scaling_aware_transpose(x, [128, 128])] * 2, [128, 128],
                                          out=torch.zeros(2, 256, 255)), ValueError, r"out must be .*\[2, 256, 256\]"),
+        (lambda x, w: transpose_grouped_weight(x), ValueError, r"weight must be 128x128-scaled rowwise"),
+        (lambda x, w: transpose_grouped_weight(w.dequantize()), TypeError, r"weight must be a Float8BlockwiseQTensor"),
+        (lambda x, w: transpose_grouped_weight(w, backend="cuda"), ValueError, r"transpose_grouped_weight: backend"),
     ],
     ids=["sum", "groups", "negative", "none", "features", "bf16-inp", "bf16-weight", "1x128-weight",
-         "out-dtype", "wgrad-out-dtype", "backend", "no-columnwise", "other-splits", "out-shape"],
+         "out-dtype", "wgrad-out-dtype", "backend", "no-columnwise", "other-splits", "out-shape",
+         "transpose-1x128", "transpose-bf16", "transpose-backend"],
 )
 def test_bad_input_is_rejected_clearly(call, exc, match):
     x, w = act(256, 256, device="cpu"), weights(2, 256, 256, device="cpu")
