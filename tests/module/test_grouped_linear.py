@@ -96,13 +96,21 @@ def test_fp8_input_list_and_tensor_splits_and_bias():
 def test_main_grad_accumulation_and_weight_cache():
     splits = [128, 128]
     gl, x = setup(splits, fuse_wgrad_accumulation=True)
+    hooked = []
+
+    def ddp_hook(p):  # as Megatron's DDP: runs where autograd accumulates the weight's gradient, drops it
+        hooked.append(p.grad_added_to_main_grad)
+        p.grad = None
+
     for w in gl.weights:
         w.main_grad = torch.ones(w.shape, dtype=torch.float32, device=w.device)
+        w.register_post_accumulate_grad_hook(ddp_hook)
     ref_gl = GroupedLinear(2, 256, 128, device=KERNEL_DEVICE)
     ref_gl.load_state_dict(gl.state_dict())
     dy = torch.randn(256, 128, device=KERNEL_DEVICE, dtype=torch.bfloat16)
     gl(x, splits).backward(dy)
     ref_gl(x, splits).backward(dy)
+    assert hooked == [True, True]
     for w, r in zip(gl.weights, ref_gl.weights):
         assert w.grad is None and w.grad_added_to_main_grad
         assert relerr(w.main_grad - 1, r.grad) < 1e-2

@@ -1,5 +1,5 @@
-"""FP8FlowMoE: EP=1 vs the BF16 reference block, recompute bitwise, FP8 weight reuse, saved-activation bytes, routing corner
-cases, bad input, and EP=2 / EP=4 over gloo (spawned) against EP=1 on the same global batch."""
+"""FP8FlowMoE: EP=1 vs the BF16 reference block, recompute bitwise, FP8 weight reuse, saved-activation bytes,
+routing corner cases, bad input, and EP=2 / EP=4 over gloo (spawned) against EP=1 on the same global batch."""
 
 import json
 import os

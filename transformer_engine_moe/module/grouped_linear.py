@@ -14,7 +14,9 @@ used as is, never dequantized. Per step:
   (the same quantization, a byte transpose); wgrad ``dW_g = dY_g^T X_g`` from the
   scaling-aware transposes of dY and of the saved FP8 input. With
   ``fuse_wgrad_accumulation``, wgrad is added into each weight's ``main_grad``
-  (Megatron) and the weight's ``.grad`` is not produced.
+  (Megatron) and ``.grad`` gets a placeholder, as in TE: Megatron's DDP hooks fire
+  when the weight's gradient is accumulated, and skip weights whose
+  ``grad_added_to_main_grad`` is set.
 """
 
 from __future__ import annotations
@@ -35,6 +37,19 @@ from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 def _bias_rows(bias: torch.Tensor, m_splits: MSplits, m: int) -> torch.Tensor:
     """``[M, N]``: each row's group bias (no host sync for device splits)."""
     return torch.repeat_interleave(bias, m_splits_tensor(m_splits, bias.device), dim=0, output_size=m)
+
+
+_PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
+
+
+def _placeholder_wgrad(weight: torch.Tensor) -> torch.Tensor:
+    """A zero tensor shaped like ``weight`` (one per shape, dtype and device, shared) returned as its
+    gradient under ``main_grad`` fusion, so autograd accumulates something and the hooks that
+    Megatron's DDP registers there run; they drop it (``grad_added_to_main_grad``)."""
+    key = (tuple(weight.shape), weight.dtype, weight.device)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(key[0], dtype=weight.dtype, device=weight.device)
+    return _PLACEHOLDERS[key].detach()
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
@@ -72,6 +87,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 torch._foreach_add_([w.main_grad for w in ctx.weights], list(wgrad.unbind(0)))
                 for w in ctx.weights:
                     w.grad_added_to_main_grad = True
+                dweights = [_placeholder_wgrad(w) for w in ctx.weights]
             else:  # written in the weights' dtype: no FP32 [G, N, K] buffer
                 dweights = list(grouped_gemm_wgrad(dy_t, x_t, m_splits, out_dtype=ctx.weights[0].dtype,
                                                    backend=module.backend).unbind(0))
@@ -96,7 +112,8 @@ class GroupedLinear(nn.Module):
         device: where parameters live.
         recipe: the ``FP8FlowRecipe`` (E4M3 or HYBRID, power-of-two scales).
         fuse_wgrad_accumulation: add weight gradients into ``weight{i}.main_grad`` (FP32)
-            instead of producing ``.grad``, as Megatron's gradient-accumulation fusion.
+            instead of ``.grad`` (which gets a shared zero placeholder, as in TE), as Megatron's
+            gradient-accumulation fusion.
         backend: ``"auto"``, ``"triton"``, ``"cublas"`` or ``"reference"`` (``ops.grouped_gemm``).
     """
 
