@@ -13,8 +13,8 @@ dispatcher backend (``alltoall`` over NCCL; ``deepep`` when ``deep_ep`` imports)
 Each run first checks correctness at a small size (hidden 512, 16 experts): every rank's block output and
 input gradient against an EP=1 block holding all experts (same parameters), on the same tokens.
 
-Run on a multi-GPU machine: ``python benchmarks/bench_ep_scaling.py``; ``--cpu [--world N]`` runs the same
-script over gloo on CPU processes (the correctness check, and timings at toy sizes that mean nothing).
+Run on a multi-GPU machine: ``python benchmarks/bench_ep_scaling.py [--check-only]``; ``--cpu [--world N]`` runs
+the same script over gloo on CPU processes (the correctness check, and timings at toy sizes that mean nothing).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def check_rows(backend, ep, rank, device) -> list[dict]:
                  dgrad_rel_err=rel(out[0][1], out[1][1]))]
 
 
-def worker(rank, world, port, queue, cpu):
+def worker(rank, world, port, queue, cpu, check_only=False):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if cpu:
         torch.set_num_threads(1)
@@ -168,8 +168,9 @@ def worker(rank, world, port, queue, cpu):
     c_rows, d_rows, b_rows = [], [], []
     for backend in backends:
         c_rows += check_rows(backend, world, rank, device)
-        d_rows += dispatch_rows(backend, world, device, z)
-        b_rows += block_rows(backend, world, device, z)
+        if not check_only:
+            d_rows += dispatch_rows(backend, world, device, z)
+            b_rows += block_rows(backend, world, device, z)
     gathered = [None] * world
     dist.all_gather_object(gathered, c_rows)
     if rank == 0:
@@ -182,6 +183,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU processes (toy sizes)")
     parser.add_argument("--world", type=int, default=4, help="with --cpu: the EP size")
+    parser.add_argument("--check-only", action="store_true", help="only the correctness check against EP=1")
     args = parser.parse_args()
     if args.cpu:
         env, ceilings = {"device": "CPU (gloo)", "torch": torch.__version__}, {}
@@ -195,7 +197,7 @@ def main():
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.spawn(worker, args=(world, port, queue, args.cpu), nprocs=world, join=True)
+    mp.spawn(worker, args=(world, port, queue, args.cpu, args.check_only), nprocs=world, join=True)
     c_rows, d_rows, b_rows, z = queue.get()
     worst = max(max(r["output_rel_err"], r["dgrad_rel_err"]) for r in c_rows)
     if worst > 1e-2:
@@ -209,7 +211,8 @@ def main():
                               (f"bench_dispatch_ep{world}{suffix}", f"Dispatch + combine, EP={world}", d_rows),
                               (f"bench_ep_scaling_ep{world}{suffix}", f"MoE block forward+backward, EP={world}",
                                b_rows)):
-        print(utils.write_results(name, title, env, ceilings, rows, list(rows[-1]), notes=notes).read_text())
+        if rows:
+            print(utils.write_results(name, title, env, ceilings, rows, list(rows[-1]), notes=notes).read_text())
 
 
 if __name__ == "__main__":
