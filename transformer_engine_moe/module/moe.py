@@ -165,10 +165,11 @@ class FP8FlowMoE(nn.Module):
             raise ValueError(f"topk_ids must be [T, topk={self.topk}], got {list(topk_ids.shape)}")
         res = self.dispatch(self.quantize(hidden), topk_ids, topk_probs.float())
         if self.recompute == "moe_expert":
-            flag = [is_first_microbatch]
-
-            def experts(hidden, topk_ids, topk_probs):  # the recompute reuses the FP8 weights cached by True
-                first, flag[0] = flag[0], (False if flag[0] else flag[0])
+            def experts(hidden, topk_ids, topk_probs):  # the rerun reuses the FP8 weights the forward cached
+                nonlocal is_first_microbatch
+                first = is_first_microbatch
+                if first is not None:
+                    is_first_microbatch = False
                 return self.experts(hidden, topk_ids, topk_probs, res.tokens_per_expert, first)
 
             y = torch.utils.checkpoint.checkpoint(experts, res.hidden, res.topk_ids, res.topk_probs,
