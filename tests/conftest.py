@@ -5,6 +5,7 @@ the package imports its kernels lazily, so setting it here is early enough.
 """
 
 import os
+import socket
 
 import pytest
 import torch
@@ -17,6 +18,13 @@ requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
 # Where the Triton kernels run: the GPU when there is one, else the interpreter on CPU.
 KERNEL_DEVICE = "cuda" if CUDA else "cpu"
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def assert_no_host_sync(step) -> None:

@@ -5,7 +5,6 @@ world of one in this process; byte ratio; bad input. deepep runs the same cases 
 
 import json
 import os
-import socket
 import traceback
 from datetime import timedelta
 
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise
 from transformer_engine_moe.dispatch import (
     AllToAllTokenDispatcher,
@@ -216,9 +216,7 @@ def _worker(rank, world, port, out_dir, backend, device, hidden):
 
 def _spawn(tmp_path_factory, world, backend, device, hidden):
     out_dir = tmp_path_factory.mktemp(backend)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_worker, args=(world, port, str(out_dir), backend, device, hidden), nprocs=world, join=True)
     results = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
     return {key: [f for res in results for f in res[key]] for key in results[0]}

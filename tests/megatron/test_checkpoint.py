@@ -8,20 +8,15 @@ pytest.importorskip("megatron.core", reason="megatron-core not installed (pip in
 pytest.importorskip("psutil", reason="megatron's torch_dist checkpoint writer needs psutil")
 
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
+from conftest import free_port
+
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="spawns CPU ranks over gloo")
 
 L, E = 2, 4  # local experts at EP=2, global experts
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(flow: bool, ep: int, seed: int):
@@ -89,8 +84,8 @@ def _rank(rank, world, port, ep, job, root):
 
 def test_ep2_checkpoint_loads_at_ep1_into_fp8_flow_and_megatron_experts(tmp_path):
     (tmp_path / "flow").mkdir(), (tmp_path / "stock").mkdir()
-    mp.start_processes(_rank, args=(2, _free_port(), 2, "save_flow", str(tmp_path)), nprocs=2, start_method="spawn")
-    mp.start_processes(_rank, args=(1, _free_port(), 1, "load", str(tmp_path)), nprocs=1, start_method="spawn")
+    mp.start_processes(_rank, args=(2, free_port(), 2, "save_flow", str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(1, free_port(), 1, "load", str(tmp_path)), nprocs=1, start_method="spawn")
     saved = {**torch.load(tmp_path / "saved0.pt"), **torch.load(tmp_path / "saved1.pt")}
     assert len(saved) == 2 * E * 2  # layers x global experts x (fc1, fc2)
     assert not torch.equal(saved[0, 0, "fc1"], saved[0, L, "fc1"])  # the two ranks' experts differ

@@ -5,13 +5,11 @@ import pytest
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install megatron-core==0.16.1)")
 
-import socket
-
 import torch
 import torch.distributed as dist
 
 import megatron_patches
-from conftest import CUDA, requires_cuda
+from conftest import CUDA, free_port, requires_cuda
 
 DEVICE = "cuda" if CUDA else "cpu"
 
@@ -55,9 +53,7 @@ def world_of_one():
     from megatron.core import parallel_state
 
     megatron_patches.apply()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("nccl" if CUDA else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)
     parallel_state.initialize_model_parallel()

@@ -7,11 +7,11 @@ pytest.importorskip("megatron.core", reason="megatron-core not installed (pip in
 
 import json
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from megatron_patches import pretrain_gpt
 
 pytestmark = pytest.mark.skipif(
@@ -26,12 +26,6 @@ def _run_rank(rank, world, port, argv):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     pretrain_gpt.main(argv)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _summary(path):
@@ -51,7 +45,7 @@ def test_two_steps_world_size_1(tmp_path):
 def test_two_steps_expert_parallel_2_and_checkpoint_round_trip(tmp_path):
     argv = MODEL + ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall",
                     "--summary-json", str(tmp_path / "s.json"), "--save", str(tmp_path / "ckpt")]
-    mp.start_processes(_run_rank, args=(2, _free_port(), argv), nprocs=2, start_method="spawn")
+    mp.start_processes(_run_rank, args=(2, free_port(), argv), nprocs=2, start_method="spawn")
     summary = _summary(tmp_path / "s.json")
     assert summary["world_size"] == 2 and summary["expert_model_parallel_size"] == 2
 
@@ -63,7 +57,7 @@ def test_two_steps_expert_parallel_2_and_checkpoint_round_trip(tmp_path):
 
     # Round trip: load at iteration 2 with --train-iters 2 (no step) and save again elsewhere.
     argv = argv[:-2] + ["--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "again")]
-    mp.start_processes(_run_rank, args=(2, _free_port(), argv), nprocs=2, start_method="spawn")
+    mp.start_processes(_run_rank, args=(2, free_port(), argv), nprocs=2, start_method="spawn")
     for saved in files:
         before = torch.load(saved, weights_only=True)
         after = torch.load(tmp_path / "again" / "iter_0000002" / saved.name, weights_only=True)
@@ -116,7 +110,7 @@ def test_fp8_flow_two_steps_expert_parallel_2(tmp_path):
     two spawned ranks; the expert weights' checkpoint keys are TE's (linear_fc1.weight{i})."""
     argv = FP8_MODEL + FP8_FLOW + ["--expert-model-parallel-size", "2", "--summary-json", str(tmp_path / "s.json"),
                                    "--save", str(tmp_path / "ckpt")]
-    mp.start_processes(_run_rank, args=(2, _free_port(), argv), nprocs=2, start_method="spawn")
+    mp.start_processes(_run_rank, args=(2, free_port(), argv), nprocs=2, start_method="spawn")
     summary = _summary(tmp_path / "s.json")
     assert summary["moe_fp8_flow"] and summary["expert_model_parallel_size"] == 2
     states = [torch.load(f, weights_only=True)["model"]
@@ -147,7 +141,7 @@ def test_expert_gradients_stay_on_their_expert_parallel_rank(tmp_path):
     """EP=2 on 2 ranks (data-parallel 2, expert data-parallel 1): the FP8-Flow block's parameters carry
     Megatron's ``allreduce=False``, so the gradient reduction averages dense gradients over both ranks and
     leaves each rank's expert gradients alone (averaging them would mix different experts)."""
-    mp.start_processes(_reduce_grads_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_reduce_grads_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
     expert = [n for n in ranks[0]["before"] if ".mlp.experts." in n]
     dense = [n for n in ranks[0]["before"] if ".mlp.experts." not in n]

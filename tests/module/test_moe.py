@@ -3,7 +3,6 @@ routing corner cases, bad input, and EP=2 / EP=4 over gloo (spawned) against EP=
 
 import json
 import os
-import socket
 from datetime import timedelta
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from conftest import free_port
 from transformer_engine_moe.module import FP8FlowMoE, saved_activation_bytes
 
 T, H, FFN, E, K = 96, 256, 128, 4, 2
@@ -169,9 +169,7 @@ def test_expert_parallel_matches_ep1(tmp_path):
     prob gradients match EP=1 on the same tokens. Tolerance: BF16 roundings of the per-rank partial sums
     that combine adds (EP=1 sums all experts before its one rounding)."""
     world = 4
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     mp.spawn(_worker, args=(world, port, str(tmp_path)), nprocs=world, join=True)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     torch.manual_seed(0)
