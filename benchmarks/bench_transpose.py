@@ -79,8 +79,8 @@ def run_experiment(cfg: ExperimentConfig, copy_tbps: float) -> ExperimentResult:
     q = quantize_blockwise(activations(cfg.m, cfg.k))
     data, scale = q.rowwise_data, q.rowwise_scale_inv
     sizes = group_sizes(cfg.m, cfg.groups, cfg.aligned)
-    # ragged: a device tensor (no host sync); aligned: the host list, so the 128x1 quantize
-    # kernel knows its stores are aligned (transpose speed does not depend on it)
+    # ragged: a device tensor (no host sync); x128 (padded experts): the host list. The expert-major
+    # copy's stores are 16-byte vectors for groups of multiples of 16 rows only (kernels/groups.py)
     splits = sizes if cfg.aligned else torch.tensor(sizes, device="cuda")
     t_tr = utils.time_ms(lambda: kt.scaling_aware_transpose(data, scale, splits))
     hp = kd.dequantize_1x128(data, scale, torch.bfloat16)
@@ -135,10 +135,12 @@ def sweep(copy_tbps: float) -> list[dict]:
     aligned = group_sizes(m, 32, aligned=True)
     hp = kd.dequantize_1x128(data, scale, torch.bfloat16)
     rows = []
+    for kb_tile, warps in itertools.product((1, 2, 4, 8), (2, 4, 8)):
+        for name, sp in (("ragged", splits), ("x128", aligned)):
+            t = utils.time_ms(lambda: kt.scaling_aware_transpose(data, scale, sp, config=(kb_tile, warps)), 25, 100)
+            rows.append(dict(kernel=f"transpose {name}", config=f"KB_TILE={kb_tile} warps={warps}", us=t * 1e3,
+                             pct_of_copy=100 * transpose_bytes(m, k, sp) / t / 1e9 / copy_tbps))
     for block_k, warps in itertools.product((32, 64, 128), (2, 4, 8)):
-        t = utils.time_ms(lambda: kt.scaling_aware_transpose(data, scale, splits, config=(block_k, warps)), 25, 100)
-        rows.append(dict(kernel="transpose", config=f"BLOCK_K={block_k} warps={warps}", us=t * 1e3,
-                         pct_of_copy=100 * transpose_bytes(m, k, splits) / t / 1e9 / copy_tbps))
         for name, sp in (("ragged", splits), ("x128", aligned)):
             t = utils.time_ms(lambda: kq.quantize_128x1(hp, FP8, True, 0.0, sp, config=(block_k, warps)), 25, 100)
             rows.append(dict(kernel=f"quantize_128x1 {name}", config=f"BLOCK_K={block_k} warps={warps}",
@@ -161,7 +163,7 @@ def main():
     results = [run_experiment(cfg, copy_tbps) for cfg in get_configs()]
     acc = accuracy()
     notes = (
-        f"Launch shapes: transpose {kt.TRANSPOSE_CONFIG} (BLOCK_K, warps), dequantize "
+        f"Launch shapes: transpose {kt.TRANSPOSE_CONFIG} (KB_TILE, warps), dequantize "
         f"{kd.DEQUANTIZE_CONFIG} (BLOCK_M, warps), quantize_128x1 {kq.COLWISE_CONFIG} (BLOCK_K, warps). "
         "Group sizes: Dirichlet(1) over the groups; ragged ones passed as a device tensor (no host "
         "sync), x128 ones (multiples of 128, as after permute+pad) as a host list. "

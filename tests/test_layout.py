@@ -7,9 +7,12 @@ from transformer_engine_moe import quantize_blockwise
 from transformer_engine_moe.layout import (
     check_m_splits,
     column_block_of_row,
+    columnwise_data_shape,
     compact_to_gemm_ready,
+    from_columnwise,
     gemm_ready_to_compact,
     num_column_blocks,
+    to_columnwise,
 )
 
 
@@ -108,3 +111,28 @@ def test_te_adapters_without_te_raise_import_error():
             to_te(quantize_blockwise(torch.randn(2, 128)))
     else:
         pytest.skip("TransformerEngine is installed")
+
+
+@pytest.mark.parametrize("groups", [None, [3, 0, 7], [10], [0, 0, 10]], ids=str)
+def test_columnwise_index_round_trip_and_expert_major_order(groups):
+    """to_columnwise / from_columnwise invert each other (list and device-tensor groups), and a grouped copy
+    holds each group's own transpose, one after another."""
+    x = torch.arange(40, dtype=torch.int32).view(10, 4)
+    for splits in ([groups] if groups is None else [groups, torch.tensor(groups)]):
+        c = to_columnwise(x, splits)
+        assert c.shape == columnwise_data_shape(10, 4, splits)
+        assert torch.equal(from_columnwise(c, 10, 4, splits), x)
+    if groups is not None:
+        want = torch.cat([part.t().reshape(-1) for part in x.split(groups)])
+        assert torch.equal(to_columnwise(x, groups), want)
+    else:
+        assert torch.equal(to_columnwise(x, None), x.t())
+
+
+def test_te_adapter_refuses_grouped_columnwise_copy():
+    """An expert-major columnwise copy has no TE form: refused before TE is even imported."""
+    from transformer_engine_moe import to_te
+
+    q = quantize_blockwise(torch.randn(300, 256), columnwise=True, m_splits=[100, 200])
+    with pytest.raises(ValueError, match="columnwise copy is grouped"):
+        to_te(q)

@@ -2,14 +2,15 @@
 
 COMPACT (what every op here produces and consumes), for a logical ``[M, K]``:
 
-====================  ==============  ===============================
-usage, block          data            scale_inv (float32)
-====================  ==============  ===============================
-rowwise, 1x128        ``[M, K]``      ``[M, ceil(K/128)]``
-columnwise, 128x1     ``[K, M]``      ``[num_column_blocks, K]``
-rowwise, 128x128      ``[M, K]``      ``[ceil(M/128), ceil(K/128)]``
-columnwise, 128x128   ``[K, M]``      ``[ceil(K/128), ceil(M/128)]``
-====================  ==============  ===============================
+==========================  ==================  ===============================
+usage, block                data                scale_inv (float32)
+==========================  ==================  ===============================
+rowwise, 1x128              ``[M, K]``          ``[M, ceil(K/128)]``
+columnwise, 128x1           ``[K, M]``          ``[num_column_blocks, K]``
+columnwise, 128x1, grouped  ``[M*K]`` (below)   ``[num_column_blocks, K]``
+rowwise, 128x128            ``[M, K]``          ``[ceil(M/128), ceil(K/128)]``
+columnwise, 128x128         ``[K, M]``          ``[ceil(K/128), ceil(M/128)]``
+==========================  ==================  ===============================
 
 Columnwise data is the transpose: the ``X^T [K, m]`` operand of a wgrad GEMM,
 tokens contiguous. Its 128x1 blocks run along M and, when the rows are split
@@ -17,6 +18,14 @@ into groups (experts, ``m_splits``), never cross a group boundary: each group
 starts a new block and a group whose size is not a multiple of 128 ends in a
 partial block. The scales are block-major, ``[num_column_blocks, K]``, so a
 GEMM reading one 128-token step of a group loads one contiguous scale row.
+
+Expert-major (grouped columnwise data): a contiguous 1-D ``[M*K]`` FP8 tensor
+holding each group's own transpose ``X_g^T [K, m_g]``, row-major, one after
+another: group g starts at element ``K * (m_0 + ... + m_{g-1})``. Each expert's
+wgrad operand is then one contiguous block (DeepGEMM's k-grouped layout, and
+the concatenation of TransformerEngine's per-expert columnwise tensors).
+Ungrouped data is the one-group case, kept 2-D ``[K, M]``.
+``columnwise_index`` gives every element's place.
 
 ``num_column_blocks`` is ``ceil(M/128)`` without groups, ``sum(ceil(m_i/128))``
 for a host list of group sizes, and the worst case ``M // 128 + G`` for a
@@ -129,3 +138,44 @@ def column_block_of_row(m: int, m_splits: MSplits, device) -> torch.Tensor:
     block_starts = torch.cumsum(blocks, 0) - blocks
     group = torch.repeat_interleave(torch.arange(sizes.numel(), device=device), sizes, output_size=m)
     return block_starts[group] + (rows - starts[group]) // BLOCK_SIZE
+
+
+def columnwise_index(m: int, k: int, m_splits: MSplits, device) -> torch.Tensor:
+    """int64 ``[M, K]``: where element ``(r, c)`` of a logical ``[M, K]`` tensor sits in its 128x1 columnwise
+    data, flattened: ``c * M + r`` without groups, ``K * first_g + c * m_g + (r - first_g)`` for row r of
+    group g (expert-major). Computed on the device without a host sync (the references' gather/scatter)."""
+    rows = torch.arange(m, device=device)
+    cols = torch.arange(k, device=device)
+    if m_splits is None:
+        return cols[None, :] * m + rows[:, None]
+    sizes = m_splits_tensor(m_splits, device)
+    group = torch.repeat_interleave(torch.arange(sizes.numel(), device=device), sizes, output_size=m)
+    first, size = (torch.cumsum(sizes, 0) - sizes)[group], sizes[group]
+    return (k * first + rows - first)[:, None] + cols[None, :] * size[:, None]
+
+
+def columnwise_data_shape(m: int, k: int, m_splits: MSplits) -> tuple[int, ...]:
+    """Shape of the 128x1 columnwise data of a logical ``[M, K]``: ``(K, M)``, or ``(M*K,)`` grouped."""
+    return (k, m) if m_splits is None else (m * k,)
+
+
+def to_columnwise(x: torch.Tensor, m_splits: MSplits) -> torch.Tensor:
+    """``x [M, K]`` (any dtype) laid out as 128x1 columnwise data (``[K, M]``, or expert-major ``[M*K]``)."""
+    m, k = x.shape
+    if m_splits is None:
+        return x.t().contiguous()
+    out = torch.empty(m * k, dtype=x.dtype, device=x.device)
+    _bytes(out)[columnwise_index(m, k, m_splits, x.device).view(-1)] = _bytes(x).reshape(-1)
+    return out
+
+
+def from_columnwise(data_t: torch.Tensor, m: int, k: int, m_splits: MSplits) -> torch.Tensor:
+    """The logical ``[M, K]`` of 128x1 columnwise data (``to_columnwise``'s inverse)."""
+    if m_splits is None:
+        return data_t.t()
+    return _bytes(data_t)[columnwise_index(m, k, m_splits, data_t.device)].view(data_t.dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as uint8 (indexing kernels have no FP8 variants); others as they are."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t

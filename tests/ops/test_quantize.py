@@ -63,6 +63,15 @@ def test_grouped_128x1_kernel_matches_reference(groups, as_tensor):
     a = quantize_blockwise(x, backend="triton", **kw)
     assert_same_fp8(a, quantize_blockwise(x, backend="reference", **kw))
     assert (a.columnwise_m_splits is m_splits) if as_tensor else (a.columnwise_m_splits == groups)
+    # expert-major: each group's slice of the flat data is that group's own (ungrouped) columnwise quantization
+    assert a.columnwise_data.shape == (sum(groups) * 300,)
+    first = 0
+    for size in groups:
+        if size:
+            own = quantize_blockwise(x[first:first + size], backend="triton", rowwise=False, columnwise=True)
+            got = a.columnwise_data[300 * first:300 * (first + size)].view(torch.uint8)
+            assert torch.equal(got, own.columnwise_data.view(torch.uint8).reshape(-1))
+        first += size
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)

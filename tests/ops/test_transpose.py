@@ -55,7 +55,8 @@ def test_rule_holds_for_every_element(fp8, splits, backend):
     t = scaling_aware_transpose(quantize_blockwise(x, fp8_dtype=fp8), m_splits, backend=backend)
     want, s_col = expected_columnwise(t, m_splits)
     got = t.dequantize(usage="columnwise")
-    assert got.shape == x.shape and t.columnwise_data.shape == (384, x.shape[0])
+    data_shape = (384, x.shape[0]) if m_splits is None else (384 * x.shape[0],)  # grouped: expert-major
+    assert got.shape == x.shape and t.columnwise_data.shape == data_shape
     assert _same(got.cpu(), want)
     # exactly the rowwise value wherever nothing underflows
     rows = t.dequantize().cpu()
@@ -101,17 +102,53 @@ def test_unused_blocks_of_device_groups_hold_scale_one():
 
 
 def test_split_by_groups_matches_per_group_transpose():
+    """Expert-major: each group's slice of the flat columnwise data is that group's own transpose."""
     x = activations(sum(GROUPS), 256)
     q = quantize_blockwise(x)
     t = scaling_aware_transpose(q, GROUPS)
-    for piece, part in zip(t.split(GROUPS), q.split(GROUPS)):
-        if part.shape[0] == 0:
-            continue
-        alone = scaling_aware_transpose(part)
-        assert torch.equal(piece.columnwise_scale_inv, alone.columnwise_scale_inv)
-        assert torch.equal(piece.columnwise_data.view(torch.uint8), alone.columnwise_data.view(torch.uint8))
+    first = 0
+    for size, piece, part in zip(GROUPS, t.split(GROUPS), q.split(GROUPS)):
+        assert piece.shape == (size, 256)
+        if size:
+            alone = scaling_aware_transpose(part)
+            assert sum(piece.columnwise_m_splits) == size
+            assert torch.equal(piece.columnwise_scale_inv, alone.columnwise_scale_inv)
+            own = alone.columnwise_data.view(torch.uint8).reshape(-1)
+            assert torch.equal(piece.columnwise_data.view(torch.uint8), own)
+            assert torch.equal(t.columnwise_data.view(torch.uint8)[256 * first:256 * (first + size)], own)
+        first += size
     with pytest.raises(ValueError, match="cut through 128-row blocks"):
         t.split([2, sum(GROUPS) - 2])  # row 2 is 1 row into the 127-row group
+
+
+@pytest.mark.parametrize("groups", [[300], [0, 300, 0], [128, 0, 172]], ids=str)
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_one_group_is_the_ungrouped_transpose_flattened(groups, as_tensor):
+    """All rows in one group (empty groups around it): the expert-major data is the ungrouped [K, M]
+    flattened; with two groups, each group's slice is its own [K, m_g]. Kernel and reference bitwise."""
+    q = quantize_blockwise(activations(300, 256))
+    splits = torch.tensor(groups, device=q.device) if as_tensor else groups
+    alone = [scaling_aware_transpose(part) for part, s in zip(q.split(groups), groups) if s]
+    want = torch.cat([a.columnwise_data.view(torch.uint8).reshape(-1) for a in alone])
+    for backend in ("triton", "reference"):
+        t = scaling_aware_transpose(q, splits, backend=backend)
+        assert torch.equal(t.columnwise_data.view(torch.uint8), want), backend
+        used = torch.cat([a.columnwise_scale_inv for a in alone])
+        assert torch.equal(t.columnwise_scale_inv[:used.shape[0]], used), backend
+
+
+def test_split_inside_one_group_and_across_groups():
+    """A block-aligned part of one group is a strided [K, m] view of that group's block (ungrouped); a
+    piece from inside one group into the next has no expert-major form and is refused."""
+    q = quantize_blockwise(activations(640, 256))
+    t = scaling_aware_transpose(q, [384, 256])
+    a, b, c = t.split([128, 256, 256])
+    for piece, lo, hi in ((a, 0, 128), (b, 128, 384)):
+        assert piece.columnwise_m_splits is None and piece.columnwise_data.shape == (256, hi - lo)
+        assert _same(piece.dequantize(usage="columnwise"), t.dequantize(usage="columnwise")[lo:hi])
+    assert c.columnwise_m_splits == [256]
+    with pytest.raises(ValueError, match="across groups"):
+        t.split([128, 512])
 
 
 def test_double_quantization_accuracy_direction():

@@ -83,3 +83,22 @@ def test_nan_is_canonical_and_dequantize_round_trip():
     ok = ~torch.isnan(x)
     # RNE error is at most half a unit in the last place: |x| * 2**-4 for E4M3 normals.
     assert ((y - x.float()).abs()[ok] <= x.float().abs()[ok] * 2.0**-4 + 1e-30).all()
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_grouped_128x1_is_expert_major(as_tensor):
+    """Grouped 128x1: group g's slice of the flat data is the oracle's 128x1 quantization of the group alone,
+    transposed (``[K, m_g]`` row-major); its scales are the next rows of the block-major scales (a device
+    tensor's unused trailing rows hold 1)."""
+    groups = [0, 1, 130, 0, 127]
+    x = _input(sum(groups), 200, torch.bfloat16)
+    splits = torch.tensor(groups) if as_tensor else groups
+    data_t, sinv_t = ref.quantize_128x1(x, torch.float8_e4m3fn, m_splits=splits)
+    assert data_t.shape == (sum(groups) * 200,)
+    first = blk = 0
+    for size in groups:
+        codes_t, sinv_o = fp8_oracle.quantize(x[first:first + size], torch.float8_e4m3fn, 128, 1)
+        assert torch.equal(_codes(data_t[200 * first:200 * (first + size)]), codes_t.t().reshape(-1))
+        assert torch.equal(sinv_t[blk:blk + sinv_o.shape[0]], sinv_o)
+        first, blk = first + size, blk + sinv_o.shape[0]
+    assert (sinv_t[blk:] == 1.0).all() and sinv_t.shape[0] == (sum(groups) // 128 + 5 if as_tensor else blk)

@@ -190,3 +190,33 @@ def test_pickle_round_trip():
     assert isinstance(r, Float8BlockwiseQTensor) and r.usages == q.usages
     assert torch.equal(r.dequantize(), q.dequantize())
     assert torch.equal(r.dequantize(usage="columnwise"), q.dequantize(usage="columnwise"))
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_grouped_columnwise_copy_is_flat_expert_major(as_tensor):
+    """Grouped 128x1 columnwise data is 1-D [M*K] (a [K, M] buffer is refused), survives view, clone and
+    pickling, and dequantizes to the logical [M, K] (equal to each group's own ungrouped copy)."""
+    groups = [100, 0, 200]
+    splits = torch.tensor(groups) if as_tensor else groups
+    q = _q(columnwise=True, m_splits=splits)
+    assert q.columnwise_data.shape == (300 * 256,) and q.columnwise_scale_inv.shape[1] == 256
+    parts = dict(shape=(300, 256), dtype=torch.bfloat16, fp8_dtype=torch.float8_e4m3fn,
+                 columnwise_scale_inv=q.columnwise_scale_inv, columnwise_m_splits=splits)
+    with pytest.raises(ValueError, match=r"columnwise_data must have shape \[76800\], got \[256, 300\]"):
+        Float8BlockwiseQTensor(**parts, columnwise_data=q.columnwise_data.view(256, 300))
+    col = q.dequantize(usage="columnwise")
+    assert torch.equal(q.view(3, 100, 256).dequantize(usage="columnwise").view(300, 256), col)
+    c = q.clone()  # copies data and scales, keeps the groups (a device tensor: the same object)
+    assert torch.equal(c.dequantize(usage="columnwise"), col)
+    assert (c.columnwise_m_splits is q.columnwise_m_splits) if as_tensor else (c.columnwise_m_splits == groups)
+    buf = io.BytesIO()
+    torch.save(q, buf)
+    buf.seek(0)
+    assert torch.equal(torch.load(buf, weights_only=False).dequantize(usage="columnwise"), col)
+    x = q.dequantize()
+    first = 0
+    for size in groups:
+        if size:
+            own = quantize_blockwise(x[first:first + size], rowwise=False, columnwise=True)
+            assert torch.equal(col[first:first + size], own.dequantize())
+        first += size

@@ -13,9 +13,9 @@ per-128 promotion), so a tile sees ``acc += dot(a_kb, b_kb) * sa * sb``.
   are group-relative 128-row blocks, the same blocks as the 128x1 column scales,
   so a tile never straddles two experts.
 - ``grouped_gemm_wgrad``: ``C_g[N, K] = A^T_g @ B^T_g^T`` with both operands in
-  the columnwise layout of the scaling-aware transpose (``[N, M]`` and ``[K, M]``
-  data, block-major 128x1 scales ``[num_column_blocks, N]``), reducing over the
-  group's tokens; float32 out, optionally accumulated into it (``main_grad``).
+  the expert-major columnwise layout of the scaling-aware transpose (group g's
+  ``[N, m_g]`` and ``[K, m_g]`` blocks, block-major 128x1 scales ``[num_column_blocks, N]``),
+  reducing over the group's tokens; float32 out, optionally accumulated into it (``main_grad``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _grouped_gemm_kernel(
     pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % rows_in_group
     pid_n = (pid % (GROUP_M * num_pid_n)) // rows_in_group
 
-    start, count, g = column_block_rows(pid_m, sizes_ptr, num_groups, M, GROUPED, MAX_GROUPS)
+    start, count, g, _, _ = column_block_rows(pid_m, sizes_ptr, num_groups, M, GROUPED, MAX_GROUPS)
     if count > 0:
         rows = start + tl.arange(0, 128)
         row_ok = rows < start + count
@@ -75,13 +75,15 @@ def _grouped_gemm_kernel(
 
 
 @triton.jit
-def _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, end_row, first_block, M, N, K,
-                n_rows, k_rows):
-    """acc += (dY^T block j of the group) @ (X^T block j)^T with both 128x1 scales."""
-    mm = first_row + j * 128 + tl.arange(0, 128)
-    m_ok = mm < end_row
-    a = tl.load(at_ptr + n_rows.to(tl.int64)[:, None] * M + mm[None, :], mask=m_ok[None, :], other=0.0)
-    b = tl.load(bt_ptr + k_rows.to(tl.int64)[:, None] * M + mm[None, :], mask=m_ok[None, :], other=0.0)
+def _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, size, first_block, N, K, n_rows, k_rows):
+    """acc += (dY_g^T block j) @ (X_g^T block j)^T with both 128x1 scales; group g's operands are its
+    expert-major ``[N, size]`` / ``[K, size]`` blocks at elements ``first_row * N`` / ``first_row * K``."""
+    kk = j * 128 + tl.arange(0, 128)
+    ok = kk < size
+    a = tl.load(at_ptr + first_row.to(tl.int64) * N + n_rows.to(tl.int64)[:, None] * size + kk[None, :],
+                mask=ok[None, :], other=0.0)
+    b = tl.load(bt_ptr + first_row.to(tl.int64) * K + k_rows.to(tl.int64)[:, None] * size + kk[None, :],
+                mask=ok[None, :], other=0.0)
     cb = first_block + j
     sa = tl.load(ats_ptr + cb * N + n_rows)
     sb = tl.load(bts_ptr + cb * K + k_rows)
@@ -90,7 +92,7 @@ def _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, end_row, fi
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    at_ptr, ats_ptr, bt_ptr, bts_ptr, c_ptr, sizes_ptr, num_groups, M, N, K,
+    at_ptr, ats_ptr, bt_ptr, bts_ptr, c_ptr, sizes_ptr, num_groups, N, K,
     MAX_GROUPS: tl.constexpr, ACCUMULATE: tl.constexpr, INTERPRET: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
@@ -103,26 +105,25 @@ def _grouped_wgrad_kernel(
     n_rows = pid % num_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_rows = (pid // num_n) % num_k * BLOCK_K + tl.arange(0, BLOCK_K)
     first_row, size, first_block = group_extent(g, sizes_ptr, num_groups, MAX_GROUPS)
-    end_row = first_row + size
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     if INTERPRET:  # Triton's interpreter cannot range() over run-time values
         j = 0
         while j * 128 < size:
-            acc = _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, end_row, first_block,
-                              M, N, K, n_rows, k_rows)
+            acc = _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, size, first_block,
+                              N, K, n_rows, k_rows)
             j += 1
     elif (first_row % 16 == 0) & (size % 16 == 0):
-        # Rewritten so the compiler can prove the rows' start and the mask's edge are multiples of 16: loads
-        # then vectorize and pipeline (4.5x faster than the general loop below, docs/grouped_gemm.md).
+        # Rewritten so the compiler can prove the group's row stride and the mask's edge multiples of 16:
+        # loads then vectorize and pipeline (4.5x faster than the general loop below, docs/grouped_gemm.md).
         first16 = first_row // 16 * 16
-        end16 = end_row // 16 * 16
+        size16 = size // 16 * 16
         for j in tl.range(0, tl.cdiv(size, 128), num_stages=NUM_STAGES):
-            acc = _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first16, end16, first_block,
-                              M, N, K, n_rows, k_rows)
+            acc = _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first16, size16, first_block,
+                              N, K, n_rows, k_rows)
     else:
         for j in tl.range(0, tl.cdiv(size, 128), num_stages=NUM_STAGES):
-            acc = _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, end_row, first_block,
-                              M, N, K, n_rows, k_rows)
+            acc = _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, size, first_block,
+                              N, K, n_rows, k_rows)
     c = c_ptr + g.to(tl.int64) * N * K + n_rows.to(tl.int64)[:, None] * K + k_rows[None, :]
     if ACCUMULATE:
         acc += tl.load(c)
@@ -158,11 +159,11 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
 
 def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
                        out_dtype=torch.float32, config=None):
-    """``a_t [N, M]``, ``b_t [K, M]`` FP8 columnwise with block-major 128x1 scales ``[num_column_blocks, N]``
-    and ``[.., K]`` grouped by ``m_splits`` -> ``C [G, N, K]`` in ``out_dtype`` (written into ``out``, or
-    added to it when ``accumulate``, float32). N and K multiples of the block shape (128)."""
-    n, m = a_t.shape
-    k = b_t.shape[0]
+    """``a_t``, ``b_t``: the expert-major 128x1 columnwise data (``[M*N]``, ``[M*K]``, ``layout.py``) of
+    ``dY [M, N]`` and ``X [M, K]`` grouped by ``m_splits``, with block-major scales ``[num_column_blocks, N]``
+    and ``[.., K]`` -> ``C [G, N, K]`` in ``out_dtype`` (written into ``out``, or added to it when
+    ``accumulate``, float32). N and K multiples of the block shape (128)."""
+    n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
     sizes, g, _, max_groups = group_sizes_arg(m_splits, a_t.device)
     if out is None:
         out = torch.empty((g, n, k), dtype=out_dtype, device=a_t.device)
@@ -171,7 +172,7 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     block_n, block_k, num_warps, num_stages = config or WGRAD_CONFIG
     grid = (g * (n // block_n) * (k // block_k),)
     _grouped_wgrad_kernel[grid](
-        a_t, a_t_scale_inv, b_t, b_t_scale_inv, out, sizes, g, m, n, k,
+        a_t, a_t_scale_inv, b_t, b_t_scale_inv, out, sizes, g, n, k,
         MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), INTERPRET=not a_t.is_cuda,
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
     )

@@ -3,7 +3,8 @@
 Rows ``[0, M)`` are split into G groups (experts) whose sizes sit in a device
 tensor; each group is covered by ``ceil(m_g/128)`` blocks of 128 rows, the last
 one partial. Block ``b`` (the columnwise scale row) is found from the sizes
-alone, so launchers need no host copy of them. See ``layout.py``.
+alone, so launchers need no host copy of them. ``store_columnwise`` writes a
+transposed block into the (expert-major) columnwise data. See ``layout.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def group_extent(gi, sizes_ptr, num_groups, MAX_GROUPS: tl.constexpr):
 
 @triton.jit
 def column_block_rows(b, sizes_ptr, num_groups, M, GROUPED: tl.constexpr, MAX_GROUPS: tl.constexpr):
-    """(first row, row count, group) of column block ``b``; the count is 0 for an unused block."""
+    """(first row, row count, group, the group's first row, the group's row count) of column block ``b``;
+    the count is 0 for an unused block. Without groups: one group of M rows."""
     if GROUPED:
         g = tl.arange(0, MAX_GROUPS)
         sizes = tl.load(sizes_ptr + g, mask=g < num_groups, other=0)
@@ -38,9 +40,22 @@ def column_block_rows(b, sizes_ptr, num_groups, M, GROUPED: tl.constexpr, MAX_GR
         count = tl.maximum(tl.minimum(first_row + size - start, 128), 0)
     else:
         gi = b * 0
+        first_row, size = gi, M
         start = b * 128
         count = tl.minimum(M - start, 128)
-    return start, count, gi
+    return start, count, gi, first_row, size
+
+
+@triton.jit
+def store_columnwise(qt_ptr, out, col_ok, cols, r, count, first, size, local, K):
+    """Store ``out [BLOCK_K, 128]`` (columns ``cols`` x ``count`` rows of a column block, transposed) into
+    128x1 columnwise data: the ``[K, size]`` block at element ``first * K`` (a group's own block, expert-
+    major; ``[K, M]`` without groups), from its column ``local``. The caller proves ``first``, ``size`` and
+    ``count`` multiples of 16 where they are (``x // 16 * 16`` in a branch taken when they are): the stores
+    are then 16-byte vectors (padded experts always are); ragged groups store bytes."""
+    block = qt_ptr + first.to(tl.int64) * K + local
+    tl.store(block + cols.to(tl.int64)[:, None] * size + r[None, :], out,
+             mask=col_ok[:, None] & (r < count)[None, :])
 
 
 def group_sizes_arg(m_splits, device):

@@ -16,10 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import num_column_blocks
+from ..layout import columnwise_data_shape, num_column_blocks
 from ..recipe import BLOCK_SIZE, fp8_max, scale_value_for_inf
 from .casts import float_to_fp8_bits, to_float
-from .groups import column_block_rows, group_sizes_arg
+from .groups import column_block_rows, group_sizes_arg, store_columnwise
 
 # Launch shapes (BLOCK_M, K_BLOCKS, num_warps) from benchmarks/bench_quantize.py's sweep
 # (H200, 2026-11-22). Rowwise-only quantization of a contiguous [M, K] with K % 128 == 0
@@ -27,7 +27,7 @@ from .groups import column_block_rows, group_sizes_arg
 # bandwidth where 2-D tiles of rows 14 KB apart reached 74-89%.
 FLAT_CONFIG = (16, 1, 4)
 ROWWISE_CONFIG = (16, 2, 4)  # ragged K or strided rows
-COLWISE_CONFIG = (64, 2)  # (BLOCK_K, num_warps) of the 128x1 kernel: 78% of copy, (128, 8) 30%
+COLWISE_CONFIG = (64, 4)  # (BLOCK_K, num_warps) of the 128x1 kernel: 69% of copy (expert-major, x128 groups)
 
 
 @triton.jit
@@ -99,19 +99,14 @@ def _quantize_128x1_kernel(
     M, K, stride_xm, num_groups,
     eps, value_for_inf,
     FP8_MAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
-    GROUPED: tl.constexpr, MAX_GROUPS: tl.constexpr, ALIGNED: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUPED: tl.constexpr, MAX_GROUPS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Column block ``b`` (128 rows of one group) x BLOCK_K columns of x [M, K] ->
-    128x1 FP8 qt [K, M] (transposed) and scale_inv st [b, K]; unused blocks get scale_inv 1.
-
-    ``ALIGNED``: every group starts at a multiple of 16 rows, so the transposed
-    stores can be vectorized (otherwise they go byte by byte).
-    """
+    """Column block ``b`` (128 rows of one group) x BLOCK_K columns of x [M, K] -> 128x1 FP8 into the
+    columnwise data (``[K, M]``, or expert-major: ``groups.store_columnwise``) and scale_inv st [b, K];
+    unused blocks get scale_inv 1."""
     b = tl.program_id(0)
     pid_k = tl.program_id(1)
-    start, count, _ = column_block_rows(b, sizes_ptr, num_groups, M, GROUPED, MAX_GROUPS)
-    if ALIGNED:
-        start = tl.multiple_of(start, 16)
+    start, count, _, first, size = column_block_rows(b, sizes_ptr, num_groups, M, GROUPED, MAX_GROUPS)
     r = tl.arange(0, 128)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     col_ok = cols < K
@@ -121,8 +116,12 @@ def _quantize_128x1_kernel(
     x = to_float(x, SOFTWARE_CAST)
     scale, scale_inv = compute_scale(tl.max(abs_no_nan(x), axis=0), eps, value_for_inf, FP8_MAX, POW2)
     qt = tl.trans(float_to_fp8_bits(x * scale[None, :], FP8_MAX, E5M2, SOFTWARE_CAST))
-    qt_block = qt_ptr + start  # column `start` of qt [K, M]: aligned when ALIGNED and M % 16 == 0
-    tl.store(qt_block + cols.to(tl.int64)[:, None] * M + r[None, :], qt, mask=tl.trans(mask))
+    local = (start - first) // 128 * 128
+    if (first % 16 == 0) & (size % 16 == 0):  # provably aligned in this branch: 16-byte stores
+        store_columnwise(qt_ptr, qt, col_ok, cols, r, count // 16 * 16, first // 16 * 16, size // 16 * 16,
+                         local, K)
+    else:
+        store_columnwise(qt_ptr, qt, col_ok, cols, r, count, first, size, local, K)
     tl.store(st_ptr + b.to(tl.int64) * K + cols, scale_inv, mask=col_ok)
 
 
@@ -204,24 +203,22 @@ def quantize_128x1(
     software_cast: bool | None = None,
     config: tuple[int, int] | None = None,
 ):
-    """Columnwise 128x1 quantization of 2-D ``x [M, K]``, blocks restarting at each group of
-    ``m_splits`` (None, host list or device tensor): ``(data_t [K, M], scale_inv_t [num_column_blocks, K])``.
+    """Columnwise 128x1 quantization of 2-D ``x [M, K]``, blocks restarting at each group of ``m_splits``
+    (None, host list or device tensor): ``(data_t, scale_inv_t [num_column_blocks, K])``, ``data_t``
+    ``[K, M]`` or, grouped, expert-major ``[M*K]`` (``layout.py``).
 
     ``config`` overrides ``(BLOCK_K, num_warps)``.
     """
     m, k = x.shape
     nb = num_column_blocks(m, m_splits)
-    qt = torch.empty((k, m), dtype=fp8_dtype, device=x.device)
+    qt = torch.empty(columnwise_data_shape(m, k, m_splits), dtype=fp8_dtype, device=x.device)
     st = torch.empty((nb, k), dtype=torch.float32, device=x.device)
-    if nb > 0:
+    if nb > 0 and k > 0:
         block_k, num_warps = config or COLWISE_CONFIG
         sizes, g, grouped, max_groups = group_sizes_arg(m_splits, x.device)
-        aligned = m_splits is None or (
-            not isinstance(m_splits, torch.Tensor) and all(s % 16 == 0 for s in m_splits)
-        )
         _quantize_128x1_kernel[(nb, triton.cdiv(k, block_k))](
             x, qt.view(torch.uint8), st, sizes, m, k, x.stride(0), g,
-            GROUPED=grouped, MAX_GROUPS=max_groups, ALIGNED=aligned, BLOCK_K=block_k, num_warps=num_warps,
+            GROUPED=grouped, MAX_GROUPS=max_groups, BLOCK_K=block_k, num_warps=num_warps,
             **_common_args(x, fp8_dtype, pow2_scales, amax_epsilon, software_cast),
         )
     return qt, st

@@ -1,17 +1,18 @@
 """Triton kernels for the scaling-aware FP8 transpose and the 128x128 byte transpose, and their launchers.
 
 Rowwise 1x128 FP8 ``q [M, K]`` with power-of-two ``scale_inv [M, ceil(K/128)]``
-becomes columnwise 128x1 FP8 ``qt [K, M]`` with block-major
-``scale_inv_t [num_column_blocks, K]``, blocks restarting at each group (rule
-in ``reference/transpose.py``). Two launches, no host sync:
-
-1. ``_column_scales_kernel``, one program per column block and 8 128-column
-   blocks: reads only the row scales, writes the column scales and, per row and
-   128-column block, the exponent shift ``d`` (uint8 ``[M, ceil(K/128)]``, 1/128
-   of the data).
-2. ``_shift_transpose_kernel``, one program per 128-row window aligned to 128
-   (not per block: a group may start at any row, and only aligned windows let
-   the transposed FP8 stores be vectorized): one read and one write of FP8.
+becomes columnwise 128x1 FP8 ``qt`` (``[K, M]``; grouped: expert-major ``[M*K]``,
+each group's ``[K, m_g]`` after the previous one, ``layout.py``) with block-major
+``scale_inv_t [num_column_blocks, K]``, blocks restarting at each group (rule in
+``reference/transpose.py``). One launch, no host sync: ``_scaling_aware_transpose_kernel``,
+one program per column block (128 rows of one group) and KB_TILE 128-column blocks (the
+group looked up once), per 128-column block reads the block's row scales, writes its
+column scales, shifts the codes by the per-row exponent difference and stores them
+transposed into the group's own ``[K, m_g]`` block. One read
+and one write of FP8. Those transposed stores are 16-byte vectors only when the compiler
+can prove the group's first row and size multiples of 16: a run-time branch rewrites them
+as ``x // 16 * 16`` when they are (padded experts always are); ragged groups take the
+general path, correct but with byte stores.
 
 Re-encoding on the GPU decodes each code, multiplies by ``2**-d`` (exact) and
 rounds with the hardware FP8 conversion; under the interpreter it is integer
@@ -31,13 +32,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import num_column_blocks
+from ..layout import columnwise_data_shape, num_column_blocks
 from ..recipe import BLOCK_SIZE
 from .casts import float_to_fp8_bits, fp8_bits_to_float
-from .groups import column_block_rows, group_sizes_arg
+from .groups import column_block_rows, group_sizes_arg, store_columnwise
 
-# (BLOCK_K, num_warps) of the shift-transpose kernel, from benchmarks/bench_transpose.py's sweep.
-TRANSPOSE_CONFIG = (128, 4)
+# (KB_TILE: 128-column blocks per program, num_warps) from benchmarks/bench_transpose.py's sweep (H200): 70% of
+# copy for experts of multiples of 128 rows (the two-pass [K, M] kernel before the expert-major layout: 83%).
+TRANSPOSE_CONFIG = (1, 2)
 # (BLOCK, num_warps) of the byte transpose, from benchmarks/bench_transpose_grouped_weight.py's sweep.
 BYTE_TRANSPOSE_CONFIG = (64, 4)
 
@@ -84,49 +86,53 @@ def shift_fp8_down(code, d, E5M2: tl.constexpr, SOFTWARE_CAST: tl.constexpr):
 
 
 @triton.jit
-def _column_scales_kernel(
-    s_ptr, st_ptr, d_ptr, sizes_ptr,
-    M, K, num_kb, num_groups,
-    GROUPED: tl.constexpr, MAX_GROUPS: tl.constexpr, KB_TILE: tl.constexpr,
-):
-    """Column block ``b`` x KB_TILE 128-column blocks: st[b, k] = the largest row scale_inv of the
-    block's rows in k's 128-column block; d[r, kb] = log2(st / s[r, kb]); unused blocks get st = 1."""
-    b = tl.program_id(0)
-    start, count, _ = column_block_rows(b, sizes_ptr, num_groups, M, GROUPED, MAX_GROUPS)
-    r = tl.arange(0, 128)
-    kb = tl.program_id(1) * KB_TILE + tl.arange(0, KB_TILE)
-    rows = (start + r).to(tl.int64)
-    mask = (r < count)[:, None] & (kb < num_kb)[None, :]
-    bits = tl.load(s_ptr + rows[:, None] * num_kb + kb[None, :], mask=mask, other=0.0).to(tl.int32, bitcast=True)
+def _column_block_scales(s_ptr, rows, row_ok, kb, num_kb, count):
+    """The block's column scale_inv (the largest row scale, NaN unless every valid row's is a power of two,
+    1 for an unused block) and each row's exponent shift ``d`` to it."""
+    bits = tl.load(s_ptr + rows * num_kb + kb, mask=row_ok, other=0.0).to(tl.int32, bitcast=True)
     exp = bits >> 23  # biased exponent; 2**-127 (bits 0x400000) -> 0
     # valid: a positive normal power of two, or 2**-127 (the subnormal an overflowed scale gives)
     pow2 = (((bits & -2139095041) == 0) & (exp > 0) & (exp < 255)) | (bits == 0x400000)
-    all_pow2 = tl.min(tl.where(mask, pow2, True).to(tl.int32), axis=0) > 0
-    exp_col = tl.max(exp, axis=0)
+    all_pow2 = tl.min(tl.where(row_ok, pow2, True).to(tl.int32), axis=0) > 0
     s_col = tl.max(bits, axis=0).to(tl.float32, bitcast=True)  # monotone bits: the largest scale_inv
     s_col = tl.where(count > 0, tl.where(all_pow2, s_col, float("nan")), 1.0)
-    tl.store(d_ptr + rows[:, None] * num_kb + kb[None, :], (exp_col[None, :] - exp).to(tl.uint8), mask=mask)
-    k = kb[:, None] * 128 + tl.arange(0, 128)[None, :]
-    tl.store(st_ptr + b.to(tl.int64) * K + k, tl.zeros([KB_TILE, 128], tl.float32) + s_col[:, None], mask=k < K)
+    return s_col, tl.max(exp, axis=0) - exp
 
 
 @triton.jit
-def _shift_transpose_kernel(
-    q_ptr, d_ptr, qt_ptr, M, K, num_kb,
-    E5M2: tl.constexpr, SOFTWARE_CAST: tl.constexpr, BLOCK_K: tl.constexpr,
+def _scaling_aware_transpose_kernel(
+    q_ptr, s_ptr, qt_ptr, st_ptr, sizes_ptr, M, K, num_kb, num_groups,
+    E5M2: tl.constexpr, SOFTWARE_CAST: tl.constexpr, GROUPED: tl.constexpr, MAX_GROUPS: tl.constexpr,
+    KB_TILE: tl.constexpr,
 ):
-    """Rows [128*i, 128*i + 128) x BLOCK_K columns of q [M, K] -> qt [K, M], shifted by d."""
-    rows = tl.program_id(0) * 128 + tl.arange(0, 128)
-    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    kb = (tl.program_id(1) * BLOCK_K) // 128  # BLOCK_K divides 128: one shift per row
-    row_ok = rows < M
-    mask = row_ok[:, None] & (cols < K)[None, :]
-    rows64 = rows.to(tl.int64)
-    code = tl.load(q_ptr + rows64[:, None] * K + cols[None, :], mask=mask, other=0)
-    d = tl.load(d_ptr + rows64 * num_kb + kb, mask=row_ok, other=0).to(tl.int32)
-    out = shift_fp8_down(code, d[:, None], E5M2, SOFTWARE_CAST)
-    cols64 = cols.to(tl.int64)
-    tl.store(qt_ptr + cols64[:, None] * M + rows64[None, :], tl.trans(out), mask=tl.trans(mask))
+    """Column block ``b`` x KB_TILE 128-column blocks of q [M, K]: the block's group is looked up once."""
+    b = tl.program_id(0)
+    kb0 = tl.program_id(1) * KB_TILE
+    start, count, _, first, size = column_block_rows(b, sizes_ptr, num_groups, M, GROUPED, MAX_GROUPS)
+    local = (start - first) // 128 * 128  # the block's first column in its group's [K, m_g] block
+    if (first % 16 == 0) & (size % 16 == 0):  # provably aligned in this branch: 16-byte stores
+        _transpose_column_block(q_ptr, s_ptr, qt_ptr, st_ptr, b, start, count // 16 * 16, first // 16 * 16,
+                                size // 16 * 16, local, K, num_kb, kb0, E5M2, SOFTWARE_CAST, KB_TILE)
+    else:
+        _transpose_column_block(q_ptr, s_ptr, qt_ptr, st_ptr, b, start, count, first, size, local, K, num_kb,
+                                kb0, E5M2, SOFTWARE_CAST, KB_TILE)
+
+
+@triton.jit
+def _transpose_column_block(q_ptr, s_ptr, qt_ptr, st_ptr, b, start, count, first, size, local, K, num_kb, kb0,
+                            E5M2: tl.constexpr, SOFTWARE_CAST: tl.constexpr, KB_TILE: tl.constexpr):
+    r = tl.arange(0, 128)
+    row_ok = r < count
+    rows = (start + r).to(tl.int64)
+    for i in tl.static_range(KB_TILE):
+        kb = kb0 + i
+        cols = kb * 128 + tl.arange(0, 128)
+        col_ok = cols < K
+        s_col, d = _column_block_scales(s_ptr, rows, row_ok & (kb < num_kb), kb, num_kb, count)
+        tl.store(st_ptr + b.to(tl.int64) * K + cols, tl.zeros([128], tl.float32) + s_col, mask=col_ok)
+        code = tl.load(q_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0)
+        out = tl.trans(shift_fp8_down(code, d[:, None], E5M2, SOFTWARE_CAST))
+        store_columnwise(qt_ptr, out, col_ok, cols, r, count, first, size, local, K)
 
 
 def scaling_aware_transpose(
@@ -136,36 +142,27 @@ def scaling_aware_transpose(
     software_cast: bool | None = None,
     config: tuple[int, int] | None = None,
 ):
-    """``q [M, K]`` FP8 (contiguous), ``scale_inv [M, ceil(K/128)]`` ->
-    ``(qt [K, M], scale_inv_t [num_column_blocks, K])``.
+    """``q [M, K]`` FP8 (contiguous), ``scale_inv [M, ceil(K/128)]`` -> ``(qt, scale_inv_t [num_column_blocks,
+    K])``, ``qt`` ``[K, M]`` or, with ``m_splits`` (host list or device tensor of group sizes summing to M),
+    expert-major ``[M*K]``.
 
-    ``m_splits``: None, a host list or a device tensor of group sizes summing to M.
     ``software_cast`` forces the integer re-encoding on or off (default: on for CPU
-    tensors); ``config`` overrides ``(BLOCK_K, num_warps)`` (benchmark sweeps).
+    tensors); ``config`` overrides ``(KB_TILE, num_warps)`` (benchmark sweeps).
     """
     m, k = q.shape
     nb, num_kb = num_column_blocks(m, m_splits), triton.cdiv(k, BLOCK_SIZE)
-    qt = torch.empty((k, m), dtype=q.dtype, device=q.device)
+    qt = torch.empty(columnwise_data_shape(m, k, m_splits), dtype=q.dtype, device=q.device)
     st = torch.empty((nb, k), dtype=torch.float32, device=q.device)
-    if nb == 0:
+    if nb == 0 or k == 0:
         return qt, st
-    block_k, num_warps = config or TRANSPOSE_CONFIG
-    if BLOCK_SIZE % block_k:
-        raise ValueError(f"BLOCK_K must divide {BLOCK_SIZE}, got {block_k}")
-    shifts = torch.empty((m, num_kb), dtype=torch.uint8, device=q.device)
+    kb_tile, num_warps = config or TRANSPOSE_CONFIG
     sizes, g, grouped, max_groups = group_sizes_arg(m_splits, q.device)
-    kb_tile = min(triton.next_power_of_2(num_kb), 8)
-    _column_scales_kernel[(nb, triton.cdiv(num_kb, kb_tile))](
-        scale_inv, st, shifts, sizes, m, k, num_kb, g,
-        GROUPED=grouped, MAX_GROUPS=max_groups, KB_TILE=kb_tile, num_warps=4,
+    _scaling_aware_transpose_kernel[(nb, triton.cdiv(num_kb, kb_tile))](
+        q.view(torch.uint8), scale_inv, qt.view(torch.uint8), st, sizes, m, k, num_kb, g,
+        E5M2=q.dtype == torch.float8_e5m2,
+        SOFTWARE_CAST=(not q.is_cuda) if software_cast is None else software_cast,
+        GROUPED=grouped, MAX_GROUPS=max_groups, KB_TILE=kb_tile, num_warps=num_warps,
     )
-    if m > 0:
-        _shift_transpose_kernel[(triton.cdiv(m, BLOCK_SIZE), triton.cdiv(k, block_k))](
-            q.view(torch.uint8), shifts, qt.view(torch.uint8), m, k, num_kb,
-            E5M2=q.dtype == torch.float8_e5m2,
-            SOFTWARE_CAST=(not q.is_cuda) if software_cast is None else software_cast,
-            BLOCK_K=block_k, num_warps=num_warps,
-        )
     return qt, st
 
 

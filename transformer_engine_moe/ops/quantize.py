@@ -130,9 +130,10 @@ def quantize_blockwise(
         amax_epsilon: floor on each block's amax.
         rowwise: produce the rowwise copy: data ``[M, K]``, scale_inv
             ``[M, ceil(K/128)]`` (128x128: ``[ceil(M/128), ceil(K/128)]``).
-        columnwise: produce the columnwise copy: data ``[K, M]``, block-major
-            scale_inv ``[num_column_blocks, K]`` from 128x1 blocks along M (128x128:
-            the transposed blocks, same scales).
+        columnwise: produce the columnwise copy: data ``[K, M]`` (with ``m_splits``:
+            expert-major ``[M*K]``, each group's ``[K, m_g]`` after the previous one),
+            block-major scale_inv ``[num_column_blocks, K]`` from 128x1 blocks along M
+            (128x128: the transposed blocks, same scales).
         m_splits: groups of rows (experts) the 128x1 blocks restart at: a host
             list or a device int tensor (see ``layout.py``); 1x128 columnwise only.
         backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``ops.backend``).

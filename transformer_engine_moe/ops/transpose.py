@@ -43,7 +43,8 @@ def scaling_aware_transpose(
             one group.
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
 
-    Returns the same logical tensor with columnwise data ``[K, M]`` and scale_inv
+    Returns the same logical tensor with columnwise data ``[K, M]`` (with ``m_splits``: expert-major
+    ``[M*K]``, each group's ``[K, m_g]`` transpose after the previous one, ``layout.py``) and scale_inv
     ``[num_column_blocks, K]``. The kernel never syncs with the host; a tensor
     mislabelled as power-of-two gets NaN scales in the blocks it spoils (the
     reference raises ``ValueError``).

@@ -36,13 +36,13 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
 
 def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
                        out_dtype=torch.float32, config=None):
-    """``C_g [N, K] = A_g^T B_g`` over group g's rows of the logical ``A [M, N]``, ``B [M, K]`` (float32
-    math, then ``out_dtype``)."""
+    """``C_g [N, K] = A_g^T B_g`` over group g's rows of the logical ``A [M, N]``, ``B [M, K]`` given as their
+    expert-major columnwise copies (float32 math, then ``out_dtype``)."""
     a32 = dequantize_128x1(a_t, a_t_scale_inv, torch.float32, m_splits)
     b32 = dequantize_128x1(b_t, b_t_scale_inv, torch.float32, m_splits)
-    ranges = _ranges(m_splits, a_t.shape[1])
+    ranges = _ranges(m_splits, a32.shape[0])
     c = torch.stack([a32[lo:hi].t() @ b32[lo:hi] for lo, hi in ranges]) if ranges else a32.new_zeros(
-        (0, a_t.shape[0], b_t.shape[0]))
+        (0, a32.shape[1], b32.shape[1]))
     if out is None:
         return c.to(out_dtype)
     if accumulate:

@@ -14,10 +14,10 @@ Semantics equal TransformerEngine's blockwise quantizer bit for bit:
   saturation (``__NV_SATFINITE``: +-inf becomes +-fp8_max), NaN becomes the
   canonical NaN byte ``0x7F`` whatever its sign.
 
-Layouts (COMPACT, see ``tensor/layout.py``): rowwise 1x128 data ``[M, K]``
+Layouts (COMPACT, see ``layout.py``): rowwise 1x128 data ``[M, K]``
 with scale_inv ``[M, ceil(K/128)]``; columnwise 128x1 data ``[K, M]`` (the
-transpose) with block-major scale_inv ``[num_column_blocks, K]``, blocks never
-crossing a group boundary; 128x128 data ``[M, K]`` with scale_inv
+transpose; grouped: expert-major ``[M*K]``) with block-major scale_inv
+``[num_column_blocks, K]``, blocks never crossing a group boundary; 128x128 data ``[M, K]`` with scale_inv
 ``[ceil(M/128), ceil(K/128)]``. A ragged last block (K, M or a group not a
 multiple of 128) is scaled over its valid elements only, as TE does.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..recipe import BLOCK_SIZE, fp8_max, scale_value_for_inf
-from ..layout import MSplits, column_block_of_row, num_column_blocks
+from ..layout import MSplits, column_block_of_row, from_columnwise, num_column_blocks, to_columnwise
 
 FP8_NAN_BITS = 0x7F
 """The byte every NaN is written as, in both E4M3 and E5M2 (canonical NaN)."""
@@ -99,8 +99,8 @@ def quantize_128x1(
     """Columnwise 128x1 quantization of 2-D ``x [M, K]``: blocks of 128 rows along M,
     restarting at each group of ``m_splits`` (list or device tensor; None: one group).
 
-    Returns the transposed FP8 data ``[K, M]`` and block-major scale_inv
-    ``[num_column_blocks, K]`` (unused trailing blocks: scale_inv 1).
+    Returns the transposed FP8 data ``[K, M]`` (grouped: expert-major ``[M*K]``, ``layout.py``) and
+    block-major scale_inv ``[num_column_blocks, K]`` (unused trailing blocks: scale_inv 1).
     """
     m, k = x.shape
     block = column_block_of_row(m, m_splits, x.device)
@@ -110,7 +110,7 @@ def quantize_128x1(
     amax.scatter_reduce_(0, block[:, None].expand(m, k), a, "amax")
     scale = compute_scale(amax, fp8_dtype, x.dtype, pow2_scales, amax_epsilon)
     data = cast_to_fp8(x.float() * scale[block], fp8_dtype)
-    return data.t().contiguous(), torch.reciprocal(scale)
+    return to_columnwise(data, m_splits), torch.reciprocal(scale)
 
 
 def quantize_128x128(
@@ -144,9 +144,12 @@ def dequantize_1x128(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.d
 def dequantize_128x1(
     data_t: torch.Tensor, scale_inv_t: torch.Tensor, dtype: torch.dtype, m_splits: MSplits = None
 ) -> torch.Tensor:
-    """Columnwise ``data_t [K, M]`` with ``scale_inv_t [num_column_blocks, K]`` -> logical ``[M, K]``."""
-    block = column_block_of_row(data_t.shape[1], m_splits, data_t.device)
-    return (data_t.t().float() * scale_inv_t[block]).to(dtype)
+    """Columnwise ``data_t`` (``[K, M]``, grouped: expert-major ``[M*K]``) with ``scale_inv_t
+    [num_column_blocks, K]`` -> logical ``[M, K]``."""
+    k = scale_inv_t.shape[1]
+    m = data_t.shape[1] if data_t.dim() == 2 else data_t.numel() // k
+    block = column_block_of_row(m, m_splits, data_t.device)
+    return (from_columnwise(data_t, m, k, m_splits).float() * scale_inv_t[block]).to(dtype)
 
 
 def dequantize_128x128(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

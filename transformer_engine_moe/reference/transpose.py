@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import MSplits, column_block_of_row, num_column_blocks
+from ..layout import MSplits, column_block_of_row, num_column_blocks, to_columnwise
 from ..recipe import BLOCK_SIZE
 from .quantize import dequantize_1x128, quantize_128x1
 
@@ -57,7 +57,8 @@ def scaling_aware_transpose(
     data: torch.Tensor, scale_inv: torch.Tensor, m_splits: MSplits = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``data [M, K]`` FP8, ``scale_inv [M, ceil(K/128)]`` (powers of two) ->
-    ``(data_t [K, M], scale_inv_t [num_column_blocks, K])``; unused trailing blocks get scale 1."""
+    ``(data_t, scale_inv_t [num_column_blocks, K])``, ``data_t`` ``[K, M]`` or, grouped, expert-major ``[M*K]``
+    (``layout.py``); unused trailing blocks get scale 1."""
     check_pow2_scales(scale_inv)
     m, k = data.shape
     nb = num_column_blocks(m, m_splits)
@@ -69,7 +70,7 @@ def scaling_aware_transpose(
     d = torch.frexp(s_col[block])[1] - torch.frexp(scale_inv)[1]  # [M, nkb], exact for powers of two
     d = d.repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
     out = shift_fp8_down(data.view(torch.uint8).int(), d, data.dtype)
-    data_t = out.to(torch.uint8).view(data.dtype).t().contiguous()
+    data_t = to_columnwise(out.to(torch.uint8).view(data.dtype), m_splits)
     return data_t, s_col.repeat_interleave(BLOCK_SIZE, dim=1)[:, :k].contiguous()
 
 
@@ -82,7 +83,7 @@ def double_quantize_columnwise(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The casting path the transpose replaces: dequantize the rowwise FP8 to
     ``intermediate_dtype``, then quantize it again in 128x1 blocks (grouped by ``m_splits``).
-    Returns ``(data_t [K, M], scale_inv_t [num_column_blocks, K])``."""
+    Returns ``(data_t, scale_inv_t [num_column_blocks, K])`` in the layout of ``scaling_aware_transpose``."""
     hp = dequantize_1x128(data, scale_inv, intermediate_dtype)
     return quantize_128x1(hp, data.dtype, pow2_scales, 0.0, m_splits)
 

@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
-from ..layout import MSplits, check_m_splits, compact_to_gemm_ready, num_column_blocks
+from ..layout import MSplits, check_m_splits, columnwise_data_shape, compact_to_gemm_ready, num_column_blocks
 from ..recipe import BLOCK_SIZE, FP8_DTYPES, HIGH_PRECISION_DTYPES
 from ..reference.quantize import dequantize_128x1, dequantize_1x128, dequantize_128x128
 
@@ -72,8 +72,10 @@ class Float8BlockwiseQTensor(torch.Tensor):
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         rowwise_data: FP8 ``[M, K]``; rowwise_scale_inv: float32 ``[M, ceil(K/128)]``
             (1x128) or ``[ceil(M/128), ceil(K/128)]`` (128x128).
-        columnwise_data: FP8 ``[K, M]``; columnwise_scale_inv: float32
-            ``[num_column_blocks, K]`` (128x1) or ``[ceil(K/128), ceil(M/128)]`` (128x128).
+        columnwise_data: FP8 ``[K, M]``, or with ``columnwise_m_splits`` the expert-major
+            ``[M*K]`` (each group's ``[K, m_g]`` transpose after the previous one, ``layout.py``);
+            columnwise_scale_inv: float32 ``[num_column_blocks, K]`` (128x1) or
+            ``[ceil(K/128), ceil(M/128)]`` (128x128).
         columnwise_m_splits: groups of rows (list or device tensor) whose 128x1
             columnwise blocks restart at each group boundary; None: one group.
         is_2D_scaled: 128x128 blocks (weights) instead of 1x128 / 128x1.
@@ -120,7 +122,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
             scale_inv_shape(m, k, is_2D_scaled, False), fp8_dtype, device,
         )
         _check_component(
-            "columnwise", columnwise_data, columnwise_scale_inv, (k, m),
+            "columnwise", columnwise_data, columnwise_scale_inv, columnwise_data_shape(m, k, columnwise_m_splits),
             scale_inv_shape(m, k, is_2D_scaled, True, columnwise_m_splits), fp8_dtype, device,
         )
         self = torch.Tensor._make_wrapper_subclass(
@@ -167,7 +169,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
 
     @property
     def columnwise_data(self) -> Optional[torch.Tensor]:
-        """FP8 ``[K, M]`` (transposed), or None."""
+        """FP8 ``[K, M]`` (transposed; grouped: expert-major ``[M*K]``, ``layout.py``), or None."""
         return self._columnwise_data
 
     @property
@@ -341,10 +343,9 @@ class Float8BlockwiseQTensor(torch.Tensor):
         if func in (aten.detach.default, aten.alias.default):
             return args[0]._make_like()
         if func is aten.clone.default:
-            src = args[0]
-            return src._make_like(
-                **{k: (v.clone() if v is not None else None) for k, v in src._components().items()}
-            )
+            src = args[0]  # data and scales copied; columnwise_m_splits (metadata) kept as the same object
+            return src._make_like(**{k: (v.clone() if v is not None and k != "columnwise_m_splits" else v)
+                                     for k, v in src._components().items()})
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 val = args[i] if i < len(args) else kwargs.get(arg.name)
@@ -390,40 +391,48 @@ class _Reshape(torch.autograd.Function):
 
 
 def _column_pieces(t: Float8BlockwiseQTensor, m_splits) -> list[dict]:
-    """Per split piece: its columnwise data, scale rows and groups (validating block alignment)."""
-    groups = t._columnwise_m_splits if t._columnwise_m_splits is not None else [sum(m_splits)]
+    """Per split piece: its 128x1 columnwise data, scale rows and groups. A piece of an ungrouped copy
+    ``[K, M]`` is a column slice ending at block boundaries; of an expert-major copy, either whole groups
+    (a flat slice, grouped as they were) or a block-aligned part of one group (a strided ``[K, m]`` view
+    of that group's block, ungrouped)."""
+    grouped = t._columnwise_m_splits is not None
+    groups = t._columnwise_m_splits if grouped else [sum(m_splits)]
     if isinstance(groups, torch.Tensor):
         raise ValueError(
             "cannot split a columnwise copy grouped by a device tensor (its block boundaries are "
             "on the device); drop it with update_usage(columnwise_usage=False) first"
         )
-    # every block boundary: (row, scale row) pairs
-    bounds, row, blk = {0: 0}, 0, 0
-    for g in groups:
+    k = t.shape[-1]
+    firsts = [sum(groups[:i]) for i in range(len(groups) + 1)]
+    bounds, blk = {0: 0}, 0  # every block boundary: row -> scale row
+    for first, g in zip(firsts, groups):
         for start in range(0, g, BLOCK_SIZE):
-            bounds[row + start] = blk
+            bounds[first + start] = blk
             blk += 1
-        row += g
-        bounds[row] = blk
+        bounds[first + g] = blk
     pieces, lo = [], 0
     for size in m_splits:
         hi = lo + size
+        cut = ValueError(f"m_splits {list(m_splits)} cut through 128-row blocks{' or across groups' if grouped else ''}"
+                         f" of the columnwise copy (groups {list(groups)}); drop it with "
+                         "update_usage(columnwise_usage=False) first")
         if lo not in bounds or hi not in bounds:
-            raise ValueError(
-                f"m_splits {list(m_splits)} cut through 128-row blocks of the columnwise copy "
-                f"(groups {list(groups)}); drop it with update_usage(columnwise_usage=False) first"
-            )
-        inner, row = [], 0
-        for g in groups:  # the groups' rows clipped to [lo, hi)
-            a, b = max(row, lo), min(row + g, hi)
-            if a < b or (g == 0 and lo <= row < hi):
-                inner.append(b - a if a < b else 0)
-            row += g
-        pieces.append(dict(
-            columnwise_data=t._columnwise_data[:, lo:hi],
-            columnwise_scale_inv=t._columnwise_scale_inv[bounds[lo]:bounds[hi]],
-            columnwise_m_splits=inner if t._columnwise_m_splits is not None and size else None,
-        ))
+            raise cut
+        piece = dict(columnwise_scale_inv=t._columnwise_scale_inv[bounds[lo]:bounds[hi]], columnwise_m_splits=None)
+        if not grouped:
+            piece["columnwise_data"] = t._columnwise_data[:, lo:hi]
+        elif size == 0:
+            piece["columnwise_data"] = t._columnwise_data.new_empty((k, 0))
+        elif lo in firsts and hi in firsts:  # whole groups (and the empty ones at lo)
+            piece.update(columnwise_data=t._columnwise_data[k * lo:k * hi],
+                         columnwise_m_splits=groups[firsts.index(lo):firsts.index(hi)])
+        else:  # inside one group
+            g = max(i for i, f in enumerate(firsts[:-1]) if f <= lo)
+            if hi > firsts[g + 1]:
+                raise cut
+            block = t._columnwise_data[k * firsts[g]:k * firsts[g + 1]].view(k, groups[g])
+            piece["columnwise_data"] = block[:, lo - firsts[g]:hi - firsts[g]]
+        pieces.append(piece)
         lo = hi
     return pieces
 

@@ -40,8 +40,14 @@ def to_te(t: Float8BlockwiseQTensor):
     """A TE ``Float8BlockwiseQTensor`` (GEMM_READY scales) holding ``t``'s FP8 data.
 
     Data is shared (viewed as uint8); scales are transposed/padded copies. Grouped
-    128x1 columnwise copies have no TE equivalent (``ValueError``).
+    128x1 columnwise copies (expert-major, ``layout.py``) have no TE equivalent (``ValueError``).
     """
+    if t.columnwise_m_splits is not None:
+        raise ValueError(
+            "to_te: t's 128x1 columnwise copy is grouped (expert-major [M*K], blocks restarting at each of "
+            "its columnwise_m_splits); TE has no such tensor: drop it with "
+            "t.update_usage(columnwise_usage=False) first"
+        )
     tex, Float8BlockQuantizer, TETensor = _te()
     fp8 = _te_fp8_dtype(tex, t.fp8_dtype)
     shape = tuple(t.shape)
