@@ -10,7 +10,7 @@ from .permute import (
     topk_to_routing_map,
 )
 from .grouped_gemm import grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
-from .quantize import QuantizeArgs, quantize_blockwise
+from .quantize import QuantizeArgs, quantize_blockwise, quantize_grouped_weight
 from .swiglu import weighted_swiglu_quant
 from .transpose import scaling_aware_transpose
 
@@ -24,6 +24,7 @@ __all__ = [
     "moe_permute_with_probs",
     "moe_unpermute",
     "quantize_blockwise",
+    "quantize_grouped_weight",
     "routing_map_to_topk",
     "scaling_aware_transpose",
     "topk_to_routing_map",

@@ -8,6 +8,7 @@ Triton kernel and the reference live here.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -155,3 +156,50 @@ def quantize_with_args(x: torch.Tensor, args: QuantizeArgs, m_splits: MSplits = 
         if isinstance(m_splits, torch.Tensor):
             torch._assert_async(m_splits.sum() == x2d.shape[0], "m_splits must sum to M")
     return _Quantize.apply(x, args, m_splits)
+
+
+def quantize_grouped_weight(
+    weights, fp8_dtype: torch.dtype = torch.float8_e4m3fn, pow2_scales: bool = True, amax_epsilon: float = 0.0,
+    *, transpose: bool = True, backend: str = "auto",
+) -> tuple[Float8BlockwiseQTensor, Optional[Float8BlockwiseQTensor]]:
+    """G expert weights -> ``(W, W^T)``: 128x128 FP8 ``[G, N, K]`` and its per-expert transpose
+    ``[G, K, N]`` (the dgrad GEMM's K-major operand; None unless ``transpose``), one quantization.
+
+    Args:
+        weights: a sequence of G contiguous ``[N, K]`` tensors (bf16/fp16/fp32, one shape, dtype and
+            device; N and K multiples of 128), e.g. ``GroupedLinear``'s ``weight0..``. The kernel
+            reads them in place: no stacked copy.
+        fp8_dtype, pow2_scales, amax_epsilon: as ``quantize_blockwise``.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"``.
+
+    Bitwise equal to ``quantize_blockwise(torch.stack(weights).view(-1, K), "128x128", ...)`` and a
+    byte transpose of each expert. Not differentiable (weights are quantized under no_grad).
+    """
+    args = QuantizeArgs("128x128", fp8_dtype, pow2_scales, amax_epsilon, backend=backend)
+    if not isinstance(weights, (list, tuple)) or not weights:
+        raise TypeError(f"weights must be a non-empty list of [N, K] tensors, got {type(weights).__name__}")
+    w0 = weights[0]
+    for i, w in enumerate(weights):
+        if not isinstance(w, torch.Tensor) or isinstance(w, Float8BlockwiseQTensor):
+            raise TypeError(f"weights[{i}] must be a high-precision torch.Tensor, got {type(w).__name__}")
+        if w.dim() != 2 or w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device:
+            raise ValueError(f"weights[{i}] is {w.dtype} {list(w.shape)} on {w.device}; every weight must be "
+                             f"2-D like weights[0] ({w0.dtype} {list(w0.shape)} on {w0.device})")
+        if not w.is_contiguous():
+            raise ValueError(f"weights[{i}] must be contiguous, got strides {w.stride()}")
+    if w0.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"weights must have dtype in {HIGH_PRECISION_DTYPES}, got {w0.dtype}")
+    n, k = w0.shape
+    if n % 128 or k % 128 or n == 0 or k == 0:
+        raise ValueError(f"weights must be [N, K] with N and K positive multiples of 128, got {list(w0.shape)}")
+    impl = implementation(use_triton(backend, w0, "quantize_grouped_weight"), "quantize")
+    q, s, qt, st = impl.quantize_grouped_weight([w.detach() for w in weights], fp8_dtype, pow2_scales,
+                                                 amax_epsilon, transpose)
+    g = len(weights)
+    common = dict(dtype=w0.dtype, fp8_dtype=fp8_dtype, is_2D_scaled=True, pow2_scales=args.pow2_scales)
+    w = Float8BlockwiseQTensor(shape=(g, n, k), rowwise_data=q.view(g * n, k),
+                               rowwise_scale_inv=s.view(g * n // 128, k // 128), **common)
+    if not transpose:
+        return w, None
+    return w, Float8BlockwiseQTensor(shape=(g, k, n), rowwise_data=qt.view(g * k, n),
+                                     rowwise_scale_inv=st.view(g * k // 128, n // 128), **common)

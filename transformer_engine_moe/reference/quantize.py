@@ -157,3 +157,17 @@ def dequantize_128x128(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch
     m, k = data.shape
     s = scale_inv.repeat_interleave(BLOCK_SIZE, 0).repeat_interleave(BLOCK_SIZE, 1)[:m, :k]
     return (data.float() * s).to(dtype)
+
+
+def quantize_grouped_weight(
+    weights, fp8_dtype: torch.dtype, pow2_scales: bool = True, amax_epsilon: float = 0.0, transpose: bool = True
+):
+    """G expert weights ``[N, K]`` (N, K multiples of 128) -> 128x128 FP8 ``(W [G, N, K], scale_inv
+    [G, N/128, K/128], W^T [G, K, N] or None, scale_inv_t [G, K/128, N/128] or None)``: each weight's
+    ``quantize_128x128``; W^T the same codes transposed (the scales are transpose-invariant)."""
+    parts = [quantize_128x128(w, fp8_dtype, pow2_scales, amax_epsilon) for w in weights]
+    q = torch.stack([p[0] for p in parts])
+    s = torch.stack([p[1] for p in parts])
+    if not transpose:
+        return q, s, None, None
+    return q, s, q.transpose(1, 2).contiguous(), s.transpose(1, 2).contiguous()

@@ -1,0 +1,76 @@
+"""Per-step expert weight preparation: ``quantize_grouped_weight`` vs stacking first.
+
+The stack-first path is what GroupedLinear did before: ``torch.stack`` of the G BF16 weights, 128x128
+quantization of the stack, then the Triton byte transpose for W^T. ``quantize_grouped_weight`` quantizes
+the G BF16 weights in place (no stack) and then byte-transposes. Bytes counted for it: BF16 read 2 per
+element, W written 1, read 1 and W^T written 1, plus the scales; % of the copy bandwidth measured in this run.
+Both outputs are checked bitwise against the two-step path first. DeepSeek-V3 expert shapes (fc1
+[4096, 7168], fc2 [7168, 2048]) at 8 to 128 local experts.
+
+Run on a GPU: ``python benchmarks/bench_quantize_grouped_weight.py [--sweep]`` (``--sweep``: the kernel's
+launch shapes at 64 experts, fc1).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from transformer_engine_moe import quantize_blockwise, quantize_grouped_weight, transpose_grouped_weight
+
+import utils
+from transformer_engine_moe.kernels import quantize as kq
+
+SHAPES = {"fc1": (4096, 7168), "fc2": (7168, 2048)}
+
+
+def stack_first(weights):
+    n, k = weights[0].shape
+    w = quantize_blockwise(torch.stack(weights).view(-1, k), "128x128").view(len(weights), n, k)
+    return w, transpose_grouped_weight(w)
+
+
+def run(experts, gemm, copy_tbps) -> dict:
+    n, k = SHAPES[gemm]
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(experts)]
+    ours, ref = quantize_grouped_weight(weights), stack_first(weights)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a.rowwise_data.view(torch.uint8), b.rowwise_data.view(torch.uint8))
+        assert torch.equal(a.rowwise_scale_inv, b.rowwise_scale_inv)
+    t = utils.time_ms(lambda: quantize_grouped_weight(weights))
+    t_stack = utils.time_ms(lambda: stack_first(weights))
+    nbytes = experts * n * k * 5 + 3 * experts * (n // 128) * (k // 128) * 4
+    return dict(experts=experts, gemm=gemm, ms=t, stack_first_ms=t_stack, speedup=t_stack / t,
+                pct_of_copy=100 * nbytes / t / 1e9 / copy_tbps)
+
+
+def sweep(copy_tbps) -> list[dict]:
+    """num_warps of the quantizing kernel (W only: 3 bytes per element) at 64 experts, fc1, BF16."""
+    n, k = SHAPES["fc1"]
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(64)]
+    rows = []
+    for warps in (2, 4, 8, 16):
+        t = utils.time_ms(lambda: kq.quantize_grouped_weight(weights, torch.float8_e4m3fn, transpose=False,
+                                                             num_warps=warps))
+        rows.append(dict(num_warps=warps, ms=t,
+                         pct_of_copy=100 * 64 * n * k * 3 / t / 1e9 / copy_tbps))
+    return rows
+
+
+def main():
+    args, env, ceil, copy_tbps = utils.start(__doc__.splitlines()[0], "also sweep the kernel's launch shapes")
+    if args.sweep:
+        path = utils.write_results("bench_quantize_grouped_weight_sweep", "quantize_grouped_weight launch shapes",
+                                   env, ceil, sweep(copy_tbps), ["num_warps", "ms", "pct_of_copy"],
+                                   notes=f"64 experts x [4096, 7168] BF16; default num_warps {kq.GROUPED_WEIGHT_WARPS}.")
+        print(path.read_text())
+    rows = [run(e, g, copy_tbps) for e in (8, 32, 64, 128) for g in SHAPES]
+    path = utils.write_results("bench_quantize_grouped_weight", "Expert weights -> W and W^T, 128x128 FP8", env,
+                               ceil, rows, ["experts", "gemm", "ms", "stack_first_ms", "speedup",
+                                            "pct_of_copy"],
+                               notes="ms: quantize_grouped_weight; stack_first: torch.stack + quantize_blockwise "
+                                     "128x128 + transpose_grouped_weight. Bitwise equal outputs (checked).")
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
