@@ -21,6 +21,9 @@ setup(
         "megatron": ["megatron-core==0.16.1; python_version < '3.12'",
                      "megatron-core>=0.19,<0.20; python_version >= '3.12'"],
         "te": ["transformer-engine[pytorch]>=2.2"],
+        # DeepGEMM's grouped FP8 GEMMs (backend "deepgemm", Hopper): module deep_gemm, built from source
+        # at install time (needs the CUDA toolkit); "auto" uses it when it imports.
+        "deepgemm": ["deepinfer-gemm>=2.8.2"],
         "test": ["pytest", "triton==3.6.0; platform_system == 'Linux'"],
     },
 )

@@ -1,157 +1,170 @@
-"""Grouped blockwise-FP8 GEMMs (fprop, dgrad, wgrad) and GroupedLinear forward+backward on the GPU.
+"""Grouped blockwise-FP8 GEMMs (fprop, dgrad, wgrad) per backend vs BF16 ``torch._grouped_mm``, on the GPU.
 
-DeepSeek-V3 expert shapes: fc1 7168 -> 2*2048 and fc2 2048 -> 7168 over 65536 routed tokens, 8 or 32
-experts, equal splits. Backends: our Triton kernels (device-tensor splits: no host sync), cuBLAS blockwise
-``torch._scaled_mm`` per expert (host splits), and BF16 ``torch._grouped_mm`` as the baseline; ceilings
-are dense GEMMs of the same total size measured in this run. Each FP8 result is checked against the
-float32 reference before timing.
+DeepSeek-V3 expert shapes, fc1 7168 -> 2*2048 and fc2 2048 -> 7168, swept over rows per expert 512 ... 16384
+at 131072 routed rows (16384 tokens, top-8), i.e. 128 ... 8 experts (at most 128: 512 rows/expert runs 128
+experts, 65536 rows). Equal splits, each a multiple of 512 so that every backend can run. Ops:
 
-Run on a GPU: ``python benchmarks/bench_grouped_gemm.py [--sweep]``.
+- ``fprop`` ``Y = X W_g^T`` and ``dgrad`` ``dX = dY W_g``: BF16 out;
+- ``wgrad`` ``dW_g = dY_g^T X_g``: written in BF16 (GroupedLinear without ``main_grad`` fusion);
+- ``wgrad_main_grad``: accumulated into a float32 ``[G, N, K]`` buffer (Megatron's ``main_grad``);
+  BF16's row is ``main_grad += grouped_mm(...)``.
+
+Backends: ``deepgemm`` (when installed), ``cublas`` (one ``torch._scaled_mm`` per expert), ``triton``
+(device-tensor splits, no host sync), and ``bf16`` (``torch._grouped_mm``). Every FP8 output is checked
+against the float32 reference before it is timed. ``auto`` marks the backend ``ops.grouped_gemm`` picks.
+
+Run on a GPU: ``python benchmarks/bench_grouped_gemm.py [--rows 512 1024 ...] [--sweep]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
-from dataclasses import dataclass
 
 import torch
 
-from transformer_engine_moe import quantize_blockwise, scaling_aware_transpose
+from transformer_engine_moe import quantize_blockwise, quantize_grouped_weight, scaling_aware_transpose
 from transformer_engine_moe.kernels import grouped_gemm as kg
-from transformer_engine_moe.module import GroupedLinear
-from transformer_engine_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
+from transformer_engine_moe.ops.grouped_gemm import _impl, grouped_gemm, grouped_gemm_wgrad
 
 import utils
 
-SHAPES = [(8, 65536, 4096, 7168), (8, 65536, 7168, 2048), (32, 65536, 4096, 7168)]  # (experts, M, N, K)
-
-
-@dataclass(frozen=True)
-class ExperimentResult:
-    shape: str
-    op: str
-    triton_tflops: float
-    cublas_tflops: float
-    bf16_tflops: float
-    cublas_over_triton: float
-    best_fp8_over_bf16: float
+TOTAL_ROWS, MAX_EXPERTS = 131072, 128
+GEMMS = {"fc1": (4096, 7168), "fc2": (7168, 2048)}  # (N, K)
+FP8_BACKENDS = ("deepgemm", "cublas", "triton")
 
 
 def relerr(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    """||a - b|| / ||b||, one leading slice at a time (the [G, N, K] wgrads are tens of GB in float32)."""
+    num = den = 0.0
+    for x, y in zip(a.view(-1, a.shape[-1]).split(4096), b.view(-1, b.shape[-1]).split(4096)):
+        num += (x.float() - y.float()).square().sum().item()
+        den += y.float().square().sum().item()
+    return (num / den) ** 0.5
 
 
-def ceilings(m, n, k):
-    """Dense TFLOP/s of one M x N x K GEMM: BF16 and cuBLAS blockwise FP8 (1x128 x 128x128)."""
-    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    aq, bq = quantize_blockwise(a), quantize_blockwise(b, "128x128")
-    sa = aq.rowwise_scale_inv.t().contiguous().t()
-    fp8 = lambda: torch._scaled_mm(aq.rowwise_data, bq.rowwise_data.t(), sa, bq.rowwise_scale_inv.t(),
-                                   out_dtype=torch.bfloat16)
-    flops = 2 * m * n * k
-    return flops / utils.time_ms(lambda: a @ b.t()) / 1e9, flops / utils.time_ms(fp8) / 1e9
-
-
-def run(e, m, n, k) -> list[ExperimentResult]:
+def operands(e, m, n, k):
+    """FP8 operands of the three GEMMs for ``e`` equal groups of ``m // e`` rows, and their BF16 twins."""
     splits = [m // e] * e
     st = torch.tensor(splits, device="cuda", dtype=torch.int32)
-    offs = st.cumsum(0).to(torch.int32)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     wb = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     xq, dyq = quantize_blockwise(x), quantize_blockwise(dy)
-    w = quantize_blockwise(wb.view(-1, k), "128x128").view(e, n, k)
-    wt = transpose_grouped_weight(w)
-    xt_l, dyt_l = scaling_aware_transpose(xq, splits), scaling_aware_transpose(dyq, splits)
-    xt_t, dyt_t = scaling_aware_transpose(xq, st), scaling_aware_transpose(dyq, st)
-    ops = {
-        "fprop": (lambda: grouped_gemm(xq, w, st, backend="triton"),
-                  lambda: grouped_gemm(xq, w, splits, backend="cublas"),
-                  lambda: torch._grouped_mm(x, wb.transpose(1, 2), offs=offs),
-                  lambda: grouped_gemm(xq, w, splits, out_dtype=torch.float32, backend="reference")),
-        "dgrad": (lambda: grouped_gemm(dyq, wt, st, backend="triton"),
-                  lambda: grouped_gemm(dyq, wt, splits, backend="cublas"),
-                  lambda: torch._grouped_mm(dy, wb, offs=offs),
-                  lambda: grouped_gemm(dyq, wt, splits, out_dtype=torch.float32, backend="reference")),
-        "wgrad": (lambda: grouped_gemm_wgrad(dyt_t, xt_t, st, backend="triton"),
-                  lambda: grouped_gemm_wgrad(dyt_l, xt_l, splits, backend="cublas"),
-                  lambda: torch._grouped_mm(dy.t(), x, offs=offs),
-                  lambda: grouped_gemm_wgrad(dyt_l, xt_l, splits, backend="reference")),
+    w, wt = quantize_grouped_weight(list(wb.unbind(0)))
+    return dict(splits=splits, st=st, x=x, dy=dy, wb=wb, xq=xq, dyq=dyq, w=w, wt=wt,
+                xt=scaling_aware_transpose(xq, splits), dyt=scaling_aware_transpose(dyq, splits),
+                xt_st=scaling_aware_transpose(xq, st), dyt_st=scaling_aware_transpose(dyq, st),
+                acc=torch.zeros(wb.shape, device="cuda"))
+
+
+def calls(o, backend):
+    """The four GEMMs on ``backend`` (host splits; Triton's on the device tensor)."""
+    s, t = (o["st"], "_st") if backend == "triton" else (o["splits"], "")
+    dyt, xt = o["dyt" + t], o["xt" + t]
+    return {
+        "fprop": lambda: grouped_gemm(o["xq"], o["w"], s, backend=backend),
+        "dgrad": lambda: grouped_gemm(o["dyq"], o["wt"], s, backend=backend),
+        "wgrad": lambda: grouped_gemm_wgrad(dyt, xt, s, out_dtype=torch.bfloat16, backend=backend),
+        "wgrad_main_grad": lambda: grouped_gemm_wgrad(dyt, xt, s, out=o["acc"], accumulate=True, backend=backend),
     }
+
+
+def bf16_calls(o):
+    offs = o["st"].cumsum(0, dtype=torch.int32)
+    acc = o["acc"]
+    wgrad = lambda: torch._grouped_mm(o["dy"].t(), o["x"], offs=offs)
+    return {"fprop": lambda: torch._grouped_mm(o["x"], o["wb"].transpose(1, 2), offs=offs),
+            "dgrad": lambda: torch._grouped_mm(o["dy"], o["wb"], offs=offs),
+            "wgrad": wgrad, "wgrad_main_grad": lambda: acc.add_(wgrad())}
+
+
+def references(o, ops):
+    """The float32 reference of each op in ``ops`` (wgrad rounded to BF16: the [G, N, K] float32 is large)."""
+    fns = calls(o, "reference")
+    fns["wgrad"] = lambda: grouped_gemm_wgrad(o["dyt"], o["xt"], o["splits"], out_dtype=torch.bfloat16,
+                                              backend="reference")
+    return {op: fns[op]() for op in ("fprop", "dgrad", "wgrad") if op in ops}
+
+
+def auto_backend(o, op, n, k) -> str:
+    """The backend ``backend="auto"`` picks for ``op`` on these operands."""
+    wgrad = op.startswith("wgrad")
+    a = o["dyt"].columnwise_data if wgrad else (o["xq"] if op == "fprop" else o["dyq"]).rowwise_data
+    out = torch.float32 if op == "wgrad_main_grad" else torch.bfloat16
+    mod = _impl("auto", a, torch.float8_e4m3fn, o["splits"], k if op == "fprop" else n, out, op, wgrad=wgrad)
+    return {"grouped_gemm": "triton"}.get(mod.__name__.rsplit(".", 1)[-1],
+                                          mod.__name__.rsplit("_", 1)[-1])
+
+
+def run(rows_per_expert, gemm, ops) -> list[dict]:
+    n, k = GEMMS[gemm]
+    e = min(MAX_EXPERTS, TOTAL_ROWS // rows_per_expert)
+    m = e * rows_per_expert
+    o = operands(e, m, n, k)
+    refs = references(o, ops)
     flops = 2 * m * n * k
-    rows = []
-    for op, (tri, cub, bf16, ref) in ops.items():
-        r = ref()
-        assert relerr(tri(), r) < 2e-3 and relerr(cub(), r) < 2e-3, op
-        t_tri, t_cub, t_bf = (utils.time_ms(f) for f in (tri, cub, bf16))
-        rows.append(ExperimentResult(f"E={e} {m}x{n}x{k}", op, flops / t_tri / 1e9, flops / t_cub / 1e9,
-                                     flops / t_bf / 1e9, t_tri / t_cub, t_bf / min(t_tri, t_cub)))
-    return rows
-
-
-def module_step(e, m, n, k) -> list[dict]:
-    """GroupedLinear forward+backward (FP8: host splits -> cuBLAS, device splits -> Triton) vs BF16 grouped_mm."""
-    splits = [m // e] * e
-    st = torch.tensor(splits, device="cuda")
-    offs = st.cumsum(0).to(torch.int32)
-    gl = GroupedLinear(e, k, n, device="cuda")
-    wb = torch.stack([w.detach() for w in gl.weights]).requires_grad_()
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    xq = quantize_blockwise(x.detach())
-
-    def fp8(s, inp):
-        return lambda: gl(inp, s).backward(dy)
-
-    bf16 = lambda: torch._grouped_mm(x, wb.transpose(1, 2), offs=offs).backward(dy)
-    times = {name: utils.time_ms(f) for name, f in (
-        ("fp8_host_splits", fp8(splits, x)), ("fp8_device_splits", fp8(st, x)),
-        ("fp8_input_host_splits", fp8(splits, xq)), ("bf16_grouped_mm", bf16))}
-    return [dict(shape=f"E={e} {m}x{n}x{k}", path=name, ms=t, tflops=3 * 2 * m * n * k / t / 1e9,
-                 speedup_over_bf16=times["bf16_grouped_mm"] / t) for name, t in times.items()]
+    out = []
+    for backend in FP8_BACKENDS + ("bf16",):
+        fns = bf16_calls(o) if backend == "bf16" else calls(o, backend)
+        for op, fn in fns.items():
+            if op not in ops:
+                continue
+            row = dict(rows_per_expert=rows_per_expert, experts=e, gemm=gemm, op=op, backend=backend)
+            try:
+                if backend != "bf16" and op != "wgrad_main_grad":  # a wrong FP8 result is never timed
+                    err = relerr(fn(), refs[op])
+                    assert err < 1e-2, (backend, op, err)  # wrong results are ~1; tests check 2e-3
+                fn()
+                torch.cuda.synchronize()
+                ms = utils.time_ms(fn)
+            except (ImportError, ValueError) as exc:  # backend absent, or not applicable to this call
+                out.append(dict(row, ms=float("nan"), tflops=float("nan"), auto=f"n/a: {str(exc)[:70]}"))
+                continue
+            picked = backend != "bf16" and auto_backend(o, op, n, k) == backend
+            out.append(dict(row, ms=ms, tflops=flops / ms / 1e9, auto="yes" if picked else ""))
+    return out
 
 
 def sweep() -> list[dict]:
-    e, m, n, k = SHAPES[0]
-    st = torch.tensor([m // e] * e, device="cuda")
-    xq = quantize_blockwise(torch.randn(m, k, device="cuda"))
-    w = quantize_blockwise(torch.randn(e * n, k, device="cuda"), "128x128").view(e, n, k)
+    """Launch shapes of the Triton fprop kernel at 8 experts x 8192 rows (fc1)."""
+    o = operands(8, 65536, 4096, 7168)
+    w = o["w"]
     rows = []
     for cfg in itertools.product((64, 128), (4, 8, 16), (4, 8), (3, 4)):
         try:
-            t = utils.time_ms(lambda: kg.grouped_gemm(xq.rowwise_data, xq.rowwise_scale_inv, w.rowwise_data.view(
-                e, n, k), w.rowwise_scale_inv.view(e, n // 128, k // 128), st, config=cfg), 20, 100)
-            rows.append(dict(config=str(cfg), tflops=2 * m * n * k / t / 1e9))
+            t = utils.time_ms(lambda: kg.grouped_gemm(o["xq"].rowwise_data, o["xq"].rowwise_scale_inv,
+                                                      w.rowwise_data.view(8, 4096, 7168),
+                                                      w.rowwise_scale_inv.view(8, 32, 56), o["st"], config=cfg),
+                              20, 100)
+            rows.append(dict(config=str(cfg), tflops=2 * 65536 * 4096 * 7168 / t / 1e9))
         except Exception as exc:  # out of shared memory for the larger tiles
             rows.append(dict(config=str(cfg), tflops=type(exc).__name__))
     return rows
 
 
 def main():
-    args, env, ceil, _ = utils.start(__doc__.splitlines()[0], "also sweep the fprop kernel's launch shapes")
-    bf16_tf, fp8_tf = ceilings(16384, 4096, 7168)
-    ceil.update({"dense bf16 16384x4096x7168 TFLOP/s": bf16_tf, "dense cuBLAS blockwise FP8 same TFLOP/s": fp8_tf})
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
+    parser.add_argument("--ops", nargs="+", default=["fprop", "dgrad", "wgrad", "wgrad_main_grad"])
+    parser.add_argument("--sweep", action="store_true", help="also sweep the Triton fprop kernel's launch shapes")
+    args = parser.parse_args()
+    env = utils.environment()
+    ceil = {"copy_bandwidth_tbps (1 GiB, read+write)": utils.copy_bandwidth_tbps()}
     if args.sweep:
         path = utils.write_results("bench_grouped_gemm_sweep", "Triton grouped FP8 fprop: launch-shape sweep", env,
                                    ceil, sweep(), ["config", "tflops"],
                                    notes="config: (BLOCK_N, GROUP_M, num_warps, num_stages), E=8 65536x4096x7168.")
         print(path.read_text())
-    results = [r for shape in SHAPES for r in run(*shape)]
+    results = [r for rows in args.rows for gemm in GEMMS for r in run(rows, gemm, args.ops)]
     path = utils.write_results(
-        "bench_grouped_gemm", "Grouped blockwise FP8 GEMMs (TFLOP/s)", env, ceil, results,
-        list(ExperimentResult.__dataclass_fields__),
-        notes=(f"Triton launch shapes: fprop/dgrad {kg.GEMM_CONFIG} (BLOCK_N, GROUP_M, warps, stages), wgrad "
-               f"{kg.WGRAD_CONFIG} (BLOCK_N, BLOCK_K, warps, stages). cuBLAS: one torch._scaled_mm per expert. "
-               "BF16: torch._grouped_mm. Every FP8 output checked against the float32 reference first."),
-    )
-    print(path.read_text())
-    rows = [r for shape in SHAPES[:2] for r in module_step(*shape)]
-    path = utils.write_results("bench_grouped_linear", "GroupedLinear forward+backward", env, ceil, rows,
-                               ["shape", "path", "ms", "tflops", "speedup_over_bf16"],
-                               notes="tflops counts 3 GEMMs (fprop, dgrad, wgrad). FP8 includes quantizing "
-                                     "dY and X (if BF16), both scaling-aware transposes, and quantizing the "
-                                     "weights 128x128 (and W^T) every call, as with one micro-batch per step.")
+        "bench_grouped_gemm", "Grouped blockwise FP8 GEMMs per backend vs BF16 grouped_mm (TFLOP/s)", env, ceil,
+        results, ["rows_per_expert", "experts", "gemm", "op", "backend", "tflops", "ms", "auto"],
+        notes=(f"fc1: N=4096, K=7168; fc2: N=7168, K=2048; {TOTAL_ROWS} rows (at most {MAX_EXPERTS} experts). "
+               f"Triton launch shapes: fprop/dgrad {kg.GEMM_CONFIG} (BLOCK_N, GROUP_M, warps, stages), wgrad "
+               f"{kg.WGRAD_CONFIG} (BLOCK_N, BLOCK_K, warps, stages). auto=yes: the backend ops.grouped_gemm "
+               "picks with backend='auto' for this call. Every FP8 output checked against the float32 reference "
+               "first (wgrad_main_grad shares wgrad's check)."))
     print(path.read_text())
 
 

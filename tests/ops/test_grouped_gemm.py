@@ -80,6 +80,35 @@ def test_wgrad_matches_reference_and_accumulates(splits, as_tensor):
     assert bf16.dtype == torch.bfloat16 and relerr(bf16, ref) < 2**-8
 
 
+@pytest.mark.parametrize("splits", [[0, 130, 0, 70], [256, 0, 0, 0]], ids=str)
+def test_wgrad_reads_each_experts_own_block(splits):
+    """Expert-major operands built by hand, as DeepGEMM / TE's per-expert tensors give them: each expert's
+    ungrouped columnwise copy flattened, one after another (scale rows concatenated). The Triton kernel and
+    the reference on those buffers equal dY_g^T X_g from each expert's own copy."""
+    from transformer_engine_moe.kernels import grouped_gemm as kernels
+    from transformer_engine_moe.reference import grouped_gemm as reference
+
+    m, n, k = sum(splits), 128, 256
+    dy, x = act(m, n, E5M2), act(m, k)
+    own = [(scaling_aware_transpose(a), scaling_aware_transpose(b))
+           for a, b, s in zip(dy.split(splits), x.split(splits), splits) if s]
+    a_t = torch.cat([d.columnwise_data.reshape(-1) for d, _ in own])
+    b_t = torch.cat([c.columnwise_data.reshape(-1) for _, c in own])
+    a_s = torch.cat([d.columnwise_scale_inv for d, _ in own])
+    b_s = torch.cat([c.columnwise_scale_inv for _, c in own])
+    grouped_dy, grouped_x = scaling_aware_transpose(dy, splits), scaling_aware_transpose(x, splits)
+    assert torch.equal(a_t.view(torch.uint8), grouped_dy.columnwise_data.view(torch.uint8))
+    assert torch.equal(b_s, grouped_x.columnwise_scale_inv)
+    want, parts = torch.zeros(len(splits), n, k), iter(own)
+    for g, s in enumerate(splits):
+        if s:
+            d, c = next(parts)
+            want[g] = d.dequantize(usage="columnwise").t() @ c.dequantize(usage="columnwise")
+    for impl in (kernels, reference):
+        out = impl.grouped_gemm_wgrad(a_t, a_s, b_t, b_s, splits)
+        assert out.shape == (len(splits), n, k) and relerr(out.cpu(), want) < TOL, impl.__name__
+
+
 @pytest.mark.parametrize("g,n,k", [(3, 256, 384), (1, 128, 128), (0, 128, 256)], ids=str)
 def test_transpose_grouped_weight_kernel_is_the_byte_transpose(g, n, k):
     """Every byte value (NaN and inf codes included) lands at its transposed place; scales transposed."""
@@ -139,7 +168,7 @@ def test_bad_input_is_rejected_clearly(call, exc, match):
 
 def test_cublas_backend_refuses_what_it_cannot_do():
     x, w = act(256, 256, device="cpu"), weights(2, 256, 256, device="cpu")
-    with pytest.raises(ValueError, match="backend='cublas' needs CUDA"):
+    with pytest.raises(ValueError, match="backend='cublas' cannot run this call: it needs CUDA"):
         grouped_gemm(x, w, [128, 128], backend="cublas")
 
 
@@ -149,7 +178,7 @@ def test_gpu_deepseek_shapes_all_backends(e, m, n, k):
     """DeepSeek-V3 expert shapes: fc1 (7168 -> 2*2048) and fc2 (2048 -> 7168), ragged splits."""
     gen = torch.Generator().manual_seed(0)
     counts = torch.multinomial(torch.ones(e), m, replacement=True, generator=gen).bincount(minlength=e)
-    splits = (counts // 512 * 512).tolist()  # cuBLAS's wgrad takes groups of 512-multiples
+    splits = (counts // 512 * 512).tolist()  # cuBLAS: groups of 128-multiples (wgrad), reductions of 512
     splits[0] = 0
     splits[-1] += m - sum(splits)
     ragged = counts.tolist()  # Triton only
@@ -171,7 +200,7 @@ def test_gpu_deepseek_shapes_all_backends(e, m, n, k):
         if s is splits:
             assert relerr(grouped_gemm_wgrad(dyt, xt, s, backend="cublas"), ref) < TOL
         else:
-            with pytest.raises(ValueError, match="multiple of 512 rows"):
+            with pytest.raises(ValueError, match="multiple of 128 rows"):
                 grouped_gemm_wgrad(dyt, xt, s, backend="cublas")
     rt = torch.tensor(ragged, device="cuda")
     assert relerr(grouped_gemm(x, w, rt, out_dtype=torch.float32, backend="triton"),

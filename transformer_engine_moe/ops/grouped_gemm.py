@@ -2,25 +2,32 @@
 
 Operands are ``Float8BlockwiseQTensor``s: activations and gradients 1x128
 (rowwise COMPACT for fprop/dgrad, the grouped 128x1 columnwise copy for wgrad),
-weights 128x128 stacked as ``[G, N, K]``. Four backends:
+weights 128x128 stacked as ``[G, N, K]``. Backends (one module each, same signatures):
 
+- ``"deepgemm"`` (``kernels/grouped_gemm_deepgemm.py``, optional): DeepGEMM's grouped
+  kernels, one launch per GEMM. E4M3 only, groups of multiples of 128 rows; fprop/dgrad
+  take host or device splits (no host sync), wgrad needs host splits.
+- ``"cublas"``: one ``torch._scaled_mm`` per non-empty expert; host ``m_splits``,
+  fprop/dgrad reductions in multiples of 512, wgrad groups of multiples of 128 rows,
+  see ``kernels/grouped_gemm_cublas.py``.
 - ``"triton"``: one launch per GEMM over all experts; group sizes read on the
-  device (``m_splits`` may be a device tensor: no host sync, CUDA-graph safe).
-- ``"cublas"``: one ``torch._scaled_mm`` per non-empty expert; needs ``m_splits``
-  on the host, reductions in multiples of 512 (and, for wgrad, groups of
-  multiples of 512 rows), see ``kernels/grouped_gemm_cublas.py``.
+  device (``m_splits`` may be a device tensor: no host sync, CUDA-graph safe); any sizes.
 - ``"reference"``: plain PyTorch in float32 (the oracle, and the CPU path).
-- ``"auto"``: cuBLAS where it applies and experts average at least
-  ``CUBLAS_MIN_MEAN_ROWS`` rows (measured 1.8x faster for fprop/dgrad and 1.4x for
-  wgrad than our Triton kernels on an H200 at DeepSeek-V3 shapes, docs/grouped_gemm.md),
-  else Triton on the GPU; the reference on CPU.
+- ``"auto"``: on the GPU, the first of ``AUTO_ORDER`` that can run the call (and, for
+  cuBLAS, whose experts average at least ``CUBLAS_MIN_MEAN_ROWS`` rows); the reference on CPU.
+  The order was measured (docs/grouped_gemm.md, ``benchmarks/bench_grouped_gemm.py``): DeepGEMM
+  for fprop/dgrad and for wgrads accumulated in float32, cuBLAS for wgrads written in BF16.
 
-Alignment: K and N multiples of 128 (the weights' 128x128 blocks); groups may
-have any size, 0 included.
+Host splits: the cuBLAS backend and DeepGEMM's wgrad read the per-expert row counts on
+the host. They use the list the dispatcher already holds (``tokens_per_expert``), never a
+copy of a device tensor: a device tensor sends those calls to Triton.
+
+Alignment: K and N multiples of 128 (the weights' 128x128 blocks).
 """
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Optional
 
 import torch
@@ -29,37 +36,69 @@ from ..layout import MSplits, check_m_splits
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from .backend import check_on_device, implementation, use_triton
 
-GEMM_BACKENDS = ("auto", "triton", "cublas", "reference")
-# "auto" takes cuBLAS only for experts this large on average: below it the per-expert launches cost more
-# host time than their GPU time (128 experts of ~512 rows: 512 launches, 89 ms step for 65 ms of GPU work).
-CUBLAS_MIN_MEAN_ROWS = 2048
+GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "triton", "reference")
+# "auto"'s preference on the GPU, per GEMM kind: the first backend that can run the call. Measured on an
+# H200 at DeepSeek-V3 expert shapes, 512 to 16384 rows per expert (docs/grouped_gemm.md): DeepGEMM leads
+# fprop/dgrad (1.07-1.22 PFLOP/s); for a wgrad written in BF16 DeepGEMM has to zero, accumulate and cast
+# a float32 copy (176-873 TFLOP/s) where cuBLAS writes BF16 (702-930 at >= 1024 rows); a wgrad accumulated
+# into float32 (Megatron's main_grad) is DeepGEMM's own form (538-905).
+AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "triton"), "wgrad": ("cublas", "triton"),
+              "wgrad_fp32": ("deepgemm", "cublas", "triton")}
+# "auto" takes cuBLAS only for experts this large on average: below it, its one launch per expert costs
+# more host time than GPU time (all three GEMMs on cuBLAS, 128 experts of ~512 rows: 89 ms step for 65 ms
+# of GPU work). A BF16 wgrad at 512 rows still pays: 601/451 TFLOP/s (fc1/fc2) against Triton's 380/374,
+# and the EP=2 block (128 experts of ~512 rows, DeepGEMM fprop/dgrad) went from 45.7 to 39.0 ms on H200s.
+CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_fp32": 1024}
 
 
-def _impl(backend: str, tensor: torch.Tensor, m_splits, reduction: int, op: str, wgrad: bool = False):
-    """The module running ``op``: kernels.grouped_gemm, kernels.grouped_gemm_cublas or reference.grouped_gemm."""
-    from ..kernels import grouped_gemm_cublas as cublas  # plain torch; no Triton import
+def _why_not(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reduction: int,
+             out_dtype: torch.dtype, wgrad: bool) -> Optional[str]:
+    """None if GPU ``backend`` can run this call, else the reason it cannot."""
+    from ..kernels import grouped_gemm_cublas as cublas, grouped_gemm_deepgemm as deepgemm  # no Triton import
+
+    if backend == "triton":
+        return None
+    if not a.is_cuda:
+        return "it needs CUDA tensors"
+    if backend == "deepgemm":
+        if not deepgemm.available(a.device):
+            return "DeepGEMM is not installed or the GPU is not a Hopper (SM90)"
+        ok = (deepgemm.supports_wgrad(a.dtype, b_dtype, m_splits) if wgrad
+              else deepgemm.supports(a.dtype, b_dtype, m_splits, out_dtype))
+        return None if ok else (
+            f"it needs E4M3 operands{'' if wgrad else ', BF16 output'}, and groups of multiples of "
+            f"{deepgemm.alignment()} rows{' as a host list' if wgrad else ''}")
+    ok = cublas.supports_wgrad(m_splits) if wgrad else cublas.supports(reduction, m_splits)
+    return None if ok else (
+        "it needs m_splits as a host list and " + ("every group a multiple of 128 rows" if wgrad else
+                                                   f"a reduction dim multiple of 512 (got {reduction})")
+        + " (torch 2.11's cuBLAS blockwise GEMM is silently wrong otherwise)")
+
+
+def _impl(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reduction: int, out_dtype,
+          op: str, wgrad: bool = False) -> ModuleType:
+    """The module running ``op`` (``a``: the first operand's FP8 data)."""
+    from ..kernels import grouped_gemm_cublas as cublas, grouped_gemm_deepgemm as deepgemm
 
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"{op}: backend must be one of {GEMM_BACKENDS}, got {backend!r}")
-    ok = cublas.supports_wgrad(m_splits) if wgrad else cublas.supports(reduction, m_splits)
-    if backend == "cublas":
-        if not tensor.is_cuda or not ok:
-            raise ValueError(
-                f"{op}: backend='cublas' needs CUDA tensors, m_splits as a host list and "
-                + ("every group a multiple of 512 rows" if wgrad else f"a reduction dim multiple of 512 "
-                   f"(got {reduction})")
-                + " (torch 2.11's cuBLAS blockwise GEMM is silently wrong otherwise); use 'triton'"
-            )
-        return cublas
-    if backend == "auto" and tensor.is_cuda and ok and sum(m_splits) >= CUBLAS_MIN_MEAN_ROWS * len(m_splits):
-        return cublas
-    if use_triton(backend, tensor, op):
-        from ..kernels import grouped_gemm as kernels
-
-        return kernels
-    from ..reference import grouped_gemm as reference
-
-    return reference
+    modules = {"deepgemm": deepgemm, "cublas": cublas}
+    if backend in modules:
+        if backend == "deepgemm" and deepgemm._module() is None:
+            raise deepgemm.import_error()
+        why = _why_not(backend, a, b_dtype, m_splits, reduction, out_dtype, wgrad)
+        if why:
+            raise ValueError(f"{op}: backend={backend!r} cannot run this call: {why}; use 'auto' or 'triton'")
+        return modules[backend]
+    if backend == "auto" and a.is_cuda:
+        kind = ("wgrad_fp32" if out_dtype == torch.float32 else "wgrad") if wgrad else "fprop"
+        groups = len(m_splits) if isinstance(m_splits, list) else 0
+        for name in AUTO_ORDER[kind]:
+            if name == "cublas" and groups and sum(m_splits) < CUBLAS_MIN_MEAN_ROWS[kind] * groups:
+                continue
+            if _why_not(name, a, b_dtype, m_splits, reduction, out_dtype, wgrad) is None:
+                return modules.get(name) or implementation(True, "grouped_gemm")
+    return implementation(use_triton(backend, a, op), "grouped_gemm")
 
 
 def _check_act(t, name: str, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +173,7 @@ def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"out_dtype must be bf16/fp16/fp32, got {out_dtype}")
     m_splits, _ = _check_splits(m_splits, inp.shape[0], weight.shape[0], a.device)
-    impl = _impl(backend, a, m_splits, inp.shape[1], "grouped_gemm")
+    impl = _impl(backend, a, b.dtype, m_splits, inp.shape[1], out_dtype, "grouped_gemm")
     return impl.grouped_gemm(a, a_scale, b, b_scale, m_splits, out_dtype)
 
 
@@ -142,8 +181,8 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
                        out: Optional[torch.Tensor] = None, accumulate: bool = False,
                        out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
     """``dW[g] = grad_output[rows of g]^T @ inp[rows of g]`` -> ``[G, N, K]`` float32, from the grouped
-    128x1 columnwise copies of ``grad_output [M, N]`` and ``inp [M, K]`` (scaling-aware transpose with
-    these ``m_splits``). ``out``: a float32 ``[G, N, K]`` buffer written, or added to when ``accumulate``
+    (expert-major) 128x1 columnwise copies of ``grad_output [M, N]`` and ``inp [M, K]`` (scaling-aware
+    transpose with these ``m_splits``). ``out``: a float32 ``[G, N, K]`` buffer written, or added to when ``accumulate``
     (Megatron's ``main_grad`` fusion); without ``out``, a new tensor in ``out_dtype`` (FP32 accumulation,
     one rounding at the end)."""
     a, a_scale = _check_act(grad_output, "grad_output", "columnwise")
@@ -164,5 +203,6 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
         raise ValueError("accumulate=True needs out (the main_grad buffer)")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
-    impl = _impl(backend, a, m_splits, 0, "grouped_gemm_wgrad", wgrad=True)
+    impl = _impl(backend, a, b.dtype, m_splits, 0, out_dtype if out is None else out.dtype,
+                 "grouped_gemm_wgrad", wgrad=True)
     return impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, out_dtype)

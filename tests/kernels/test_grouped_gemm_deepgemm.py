@@ -1,0 +1,118 @@
+"""The DeepGEMM backend of grouped_gemm / grouped_gemm_wgrad: against the float32 reference (ragged, empty
+and single-expert groups of multiples of 128 rows, host and device splits, accumulation into main_grad),
+the choice ``auto`` makes (E4M3 -> DeepGEMM; HYBRID's E5M2 and unaligned groups -> another backend), no
+host sync, GroupedLinear on it, and a clear error where DeepGEMM is absent or cannot run the call."""
+
+import pytest
+import torch
+
+from conftest import CUDA, assert_no_host_sync
+from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise, quantize_grouped_weight
+from transformer_engine_moe.kernels import grouped_gemm_deepgemm as dg
+from transformer_engine_moe.module import GroupedLinear
+from transformer_engine_moe.ops import scaling_aware_transpose
+from transformer_engine_moe.ops.grouped_gemm import _impl, grouped_gemm, grouped_gemm_wgrad
+
+HAVE_DG = CUDA and dg.available(torch.device("cuda"))
+requires_deepgemm = pytest.mark.skipif(not HAVE_DG, reason="needs DeepGEMM on a Hopper GPU")
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+TOL = 2e-3  # as tests/ops/test_grouped_gemm.py on the GPU
+# Four experts and one (N, K) everywhere: DeepGEMM compiles a kernel per (groups, N, K), tens of seconds each.
+SPLITS = [[0, 384, 128, 512], [1024, 0, 0, 0], [128] * 4, [0, 0, 0, 256]]
+
+
+def relerr(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def operands(splits, n=256, k=512, fp8=E4M3):
+    m = sum(splits)
+    w, wt = quantize_grouped_weight([torch.randn(n, k, device="cuda") * 0.05 for _ in splits])
+    x = quantize_blockwise(torch.randn(m, k, device="cuda"))
+    dy = quantize_blockwise(torch.randn(m, n, device="cuda"), fp8_dtype=fp8)
+    return w, wt, x, dy
+
+
+@pytest.mark.skipif(dg._module() is not None, reason="DeepGEMM is installed")
+def test_absent_deepgemm_is_a_clear_import_error():
+    x = quantize_blockwise(torch.randn(128, 128))
+    w = quantize_grouped_weight([torch.randn(128, 128)])[0]
+    with pytest.raises(ImportError, match=r"deep_gemm.*transformer_engine_moe\[deepgemm\]"):
+        grouped_gemm(x, w, [128], backend="deepgemm")
+
+
+@requires_deepgemm
+@pytest.mark.parametrize("splits", SPLITS, ids=str)
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_fprop_dgrad_match_reference(splits, as_tensor):
+    w, wt, x, dy = operands(splits)
+    ms = torch.tensor(splits, device="cuda") if as_tensor else splits
+    for a, b in ((x, w), (dy, wt)):
+        out = grouped_gemm(a, b, ms, backend="deepgemm")
+        ref = grouped_gemm(a, b, splits, out_dtype=torch.float32, backend="reference")
+        assert out.dtype == torch.bfloat16 and relerr(out, ref) < TOL
+
+
+@requires_deepgemm
+@pytest.mark.parametrize("splits", SPLITS, ids=str)
+def test_wgrad_matches_reference_and_accumulates(splits):
+    w, _, x, dy = operands(splits)
+    xt, dyt = scaling_aware_transpose(x, splits), scaling_aware_transpose(dy, splits)
+    ref = grouped_gemm_wgrad(dyt, xt, splits, backend="reference")
+    out = grouped_gemm_wgrad(dyt, xt, splits, backend="deepgemm")
+    assert out.dtype == torch.float32 and relerr(out, ref) < TOL
+    bf16 = grouped_gemm_wgrad(dyt, xt, splits, out_dtype=torch.bfloat16, backend="deepgemm")
+    assert bf16.dtype == torch.bfloat16 and relerr(bf16, ref) < TOL
+    main_grad = torch.randn(ref.shape, device="cuda")
+    want = main_grad + ref
+    grouped_gemm_wgrad(dyt, xt, splits, out=main_grad, accumulate=True, backend="deepgemm")
+    assert relerr(main_grad, want) < TOL
+    grouped_gemm_wgrad(dyt, xt, splits, out=main_grad, backend="deepgemm")  # overwritten, not added
+    assert relerr(main_grad, ref) < TOL
+
+
+@requires_deepgemm
+def test_auto_picks_deepgemm_only_where_it_can_run():
+    splits = [384, 128, 0, 0]
+    w, wt, x, dy = operands(splits)
+    pick = lambda a, b, s, out=torch.bfloat16, **kw: _impl("auto", a, b, s, 512, out, "t", **kw)
+    assert pick(x.rowwise_data, E4M3, splits) is dg
+    assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda")) is dg
+    assert pick(x.rowwise_data, E5M2, splits) is not dg  # HYBRID's E5M2 gradients
+    assert pick(x.rowwise_data, E4M3, [300, 212, 0, 0]) is not dg  # groups not multiples of 128
+    assert pick(x.rowwise_data, E4M3, splits, torch.float32, wgrad=True) is dg  # float32 / main_grad wgrad
+    assert pick(x.rowwise_data, E4M3, splits, wgrad=True) is not dg  # a BF16 wgrad: cuBLAS or Triton
+    assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda"), torch.float32, wgrad=True) is not dg
+    with pytest.raises(ValueError, match="multiples of 128"):
+        grouped_gemm(x, w, [300, 212, 0, 0], backend="deepgemm")
+    _, wt5, _, dy5 = operands(splits, fp8=E5M2)
+    with pytest.raises(ValueError, match="E4M3"):
+        grouped_gemm(dy5, wt5, splits, backend="deepgemm")
+
+
+@requires_deepgemm
+def test_no_host_sync_with_device_or_host_splits():
+    splits = [384, 0, 640, 128]
+    w, _, x, _ = operands(splits)
+    st = torch.tensor(splits, device="cuda")
+    assert_no_host_sync(lambda: grouped_gemm(x, w, st, backend="deepgemm"))
+    assert_no_host_sync(lambda: grouped_gemm(x, w, splits, backend="deepgemm"))
+
+
+@requires_deepgemm
+@pytest.mark.parametrize("recipe", [FP8FlowRecipe(), FP8FlowRecipe(Format.HYBRID)], ids=["e4m3", "hybrid"])
+def test_grouped_linear_on_deepgemm_matches_triton(recipe):
+    splits = [512, 0, 1024, 128]
+    gls = [GroupedLinear(4, 512, 256, backend=b, device="cuda", recipe=recipe) for b in ("auto", "triton")]
+    gls[1].load_state_dict(gls[0].state_dict())
+    x = torch.randn(sum(splits), 512, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(sum(splits), 256, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for gl in gls:
+        xi = x.clone().requires_grad_()
+        y = gl(xi, splits)
+        y.backward(dy)
+        outs.append((y, xi.grad, [w.grad for w in gl.weights]))
+    (y0, dx0, dw0), (y1, dx1, dw1) = outs
+    assert relerr(y0, y1) < 1e-2 and relerr(dx0, dx1) < 1e-2
+    assert all(relerr(a, b) < 1e-2 for a, b in zip(dw0, dw1) if b.abs().sum() > 0)

@@ -1,0 +1,116 @@
+"""Grouped blockwise-FP8 GEMMs through DeepGEMM (optional dependency, Hopper only).
+
+Same signatures as ``kernels/grouped_gemm.py``. ``deep_gemm`` is imported on first
+use; ``available()`` says whether it can run here. DeepGEMM's SM90 layouts, which
+are ours (no copies on the way in):
+
+- fprop/dgrad, ``m_grouped_fp8_gemm_nt_contiguous``: A ``[M, K]`` E4M3 with 1x128
+  scales ``[M, K/128]`` (our COMPACT rowwise; DeepGEMM transposes the scales to its
+  TMA layout itself), B ``[G, N, K]`` E4M3 K-major with 128x128 scales
+  ``[G, N/128, K/128]``, BF16 out, and ``m_indices`` int32 ``[M]``: each row's group.
+  Every group's row count must be a multiple of ``alignment()`` (128 on SM90): one
+  128-row tile never spans two experts. ``m_indices`` is built on the device from
+  the splits (a host list goes through one pinned non-blocking copy): no host sync,
+  also for device-tensor splits (their alignment is asserted on the device).
+- wgrad, ``k_grouped_fp8_gemm_nt_contiguous``: both operands expert-major (the
+  grouped columnwise layout, ``layout.py``): group g's ``[N, m_g]`` block after group
+  g-1's, and the block-major 128x1 scales ``[num_column_blocks, N]`` seen as the
+  MN-major ``[N, sum m_g/128]`` DeepGEMM wants (a transposed view, no copy). It needs
+  the per-expert row counts as a host list (the dispatcher's), each a multiple of 128,
+  and computes ``D = C + A B^T`` into float32 ``[G, N, K]``: the natural fit for
+  Megatron's ``main_grad`` (C = D, accumulated in place). Without ``accumulate`` the
+  output is zeroed first; another ``out_dtype`` is a cast of the float32 result.
+
+E5M2 operands (the HYBRID recipe's gradients) are not supported by DeepGEMM on SM90:
+``supports`` says no and the op picks another backend.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..layout import m_splits_tensor
+
+
+@functools.lru_cache(maxsize=None)
+def _module():
+    """``deep_gemm``, or None when it cannot be imported."""
+    try:
+        import deep_gemm
+    except ImportError:
+        return None
+    return deep_gemm
+
+
+def import_error() -> ImportError:
+    """The error raised when DeepGEMM is asked for and absent."""
+    return ImportError(
+        "backend='deepgemm' needs DeepGEMM (module deep_gemm >= 2.8, with a CUDA toolkit to build it): "
+        "`pip install transformer_engine_moe[deepgemm]`, or build it from source "
+        "(https://github.com/deepseek-ai/DeepGEMM); or use backend='auto', 'cublas' or 'triton'"
+    )
+
+
+def available(device: torch.device) -> bool:
+    """Whether DeepGEMM can run on ``device``: importable, and a Hopper (SM90) GPU."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and _module() is not None
+
+
+def alignment() -> int:
+    """Rows per group must be a multiple of this (DeepGEMM's contiguous-layout M/K alignment)."""
+    return _module().get_mk_alignment_for_contiguous_layout()
+
+
+def _aligned(m_splits) -> bool:
+    return isinstance(m_splits, torch.Tensor) or all(s % alignment() == 0 for s in m_splits)
+
+
+def supports(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits, out_dtype: torch.dtype) -> bool:
+    """Whether fprop/dgrad can run here: E4M3 operands, BF16 out, groups aligned (host list; a device
+    tensor's alignment is asserted on the device)."""
+    return (a_dtype == b_dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16
+            and _aligned(m_splits))
+
+
+def supports_wgrad(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits) -> bool:
+    """Whether wgrad can run here: E4M3 operands, host splits, each a multiple of the alignment."""
+    return a_dtype == b_dtype == torch.float8_e4m3fn and isinstance(m_splits, list) and _aligned(m_splits)
+
+
+def group_of_rows(m_splits, m: int, device) -> torch.Tensor:
+    """int32 ``[M]``: the group of each row (DeepGEMM's ``m_indices``), without a host sync."""
+    sizes = m_splits_tensor(m_splits, device)
+    if isinstance(m_splits, torch.Tensor):
+        torch._assert_async((sizes % alignment() == 0).all(),
+                            f"deepgemm: every group's rows must be a multiple of {alignment()}")
+    groups = torch.arange(sizes.numel(), device=device, dtype=torch.int32)
+    return torch.repeat_interleave(groups, sizes, output_size=m)
+
+
+def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
+    """As ``kernels.grouped_gemm.grouped_gemm``: ``a [M, R]`` E4M3 1x128, ``b [G, N, R]`` E4M3 128x128
+    -> ``C [M, N]`` BF16, ``C[rows of g] = A[rows of g] @ B_g^T``."""
+    m, n = a.shape[0], b.shape[1]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m:
+        _module().m_grouped_fp8_gemm_nt_contiguous((a, a_scale_inv), (b, b_scale_inv), c,
+                                                   group_of_rows(m_splits, m, a.device))
+    return c
+
+
+def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
+                       out_dtype=torch.float32, config=None):
+    """As ``kernels.grouped_gemm.grouped_gemm_wgrad``, on expert-major operands: ``C_g [N, K] =
+    A_g^T B_g`` over group g's rows, float32 accumulation into ``out`` (added to it when
+    ``accumulate``) or a new ``[G, N, K]`` tensor in ``out_dtype``. ``m_splits``: host list."""
+    n, k, groups = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1], len(m_splits)
+    d = out if out is not None else torch.empty((groups, n, k), dtype=torch.float32, device=a_t.device)
+    if not accumulate:
+        d.zero_()
+    if groups:
+        _module().k_grouped_fp8_gemm_nt_contiguous(
+            (a_t.view(-1), a_t_scale_inv.t()), (b_t.view(-1), b_t_scale_inv.t()), d, list(m_splits),
+            m_splits_tensor(m_splits, a_t.device, torch.int32), c=d)
+    return d if out is not None or out_dtype == torch.float32 else d.to(out_dtype)
