@@ -7,8 +7,9 @@ import torch
 from conftest import CUDA, KERNEL_DEVICE, assert_no_host_sync, requires_cuda
 from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise
 from transformer_engine_moe.module import GroupedLinear
+from transformer_engine_moe.module.grouped_linear import _stacked_view
 
-BACKENDS = ["reference", "triton"] + (["cublas"] if CUDA else [])
+BACKENDS = ["reference", "triton"] + (["cublas"] if CUDA else [])  # deepgemm: tests/kernels
 
 
 def relerr(a, b):
@@ -41,8 +42,8 @@ def test_matches_fp32_on_dequantized_operands(backend, splits):
     """Relative error <= 1e-2 against BF16-rounded float32 math on the same FP8 operands: what is left is
     BF16 output rounding (2^-9) and, for wgrad, the 128x1 requantization of the scaling-aware transpose
     (exact unless values underflow)."""
-    if backend == "cublas" and any(s % 512 for s in splits):
-        pytest.skip("cuBLAS wgrad needs 512-multiple groups")
+    if backend == "cublas" and any(s % 128 for s in splits):
+        pytest.skip("cuBLAS wgrad needs groups of 128-multiples")
     size = 512 if backend == "cublas" else 256  # cuBLAS: reductions in multiples of 512
     gl, x = setup(splits, k=size, n=size, backend=backend)
     x.requires_grad_()
@@ -116,6 +117,30 @@ def test_main_grad_accumulation_and_weight_cache():
         assert relerr(w.main_grad - 1, r.grad) < 1e-2
 
 
+@pytest.mark.parametrize("order", ["forward", "reversed"])
+def test_main_grad_in_one_buffer_accumulated_in_place(order):
+    """main_grads that lie one after another in one float32 buffer (forward order) get the wgrad GEMM's
+    output accumulated in place; in reverse order (no [G, N, K] view exists) they are added per expert.
+    Same values either way."""
+    splits = [128, 0, 256]
+    gl, x = setup(splits, fuse_wgrad_accumulation=True)
+    ref_gl, _ = setup(splits, fuse_wgrad_accumulation=True)
+    ref_gl.load_state_dict(gl.state_dict())
+    buf = torch.full((3, 128, 256), 2.0, device=KERNEL_DEVICE)
+    views = list(buf.unbind(0)) if order == "forward" else list(buf.unbind(0))[::-1]
+    assert (_stacked_view(views) is not None) == (order == "forward")
+    for w, mg, r in zip(gl.weights, views, ref_gl.weights):
+        w.main_grad = mg
+        r.main_grad = torch.full(w.shape, 2.0, device=w.device)
+    dy = torch.randn(384, 128, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    gl(x, splits).backward(dy)
+    ref_gl(x, splits).backward(dy)
+    for w, r in zip(gl.weights, ref_gl.weights):
+        assert torch.equal(w.main_grad, r.main_grad)
+    assert torch.equal(gl.weights[1].main_grad, torch.full((128, 256), 2.0, device=KERNEL_DEVICE))  # no rows
+    assert not torch.equal(gl.weights[0].main_grad, torch.full((128, 256), 2.0, device=KERNEL_DEVICE))
+
+
 def test_fp8_weight_cache_follows_is_first_microbatch():
     """TE's rule. Weights written through ``.data`` (as Megatron's optimizers do: no version bump) are seen
     by None and True; False reuses the cache. Doubling a weight doubles its power-of-two-scaled FP8 exactly."""
@@ -130,7 +155,7 @@ def test_fp8_weight_cache_follows_is_first_microbatch():
     assert torch.equal(y1[:128], y0[:128]) and torch.equal(y1[128:], 2 * y0[128:])
     gl.weight1.data.mul_(2)
     assert torch.equal(gl(x, splits, is_first_microbatch=False)[128:], 4 * y0[128:])  # None kept no cache
-    assert gl.fp8_weights(False)[0] is gl.fp8_weights(False)[0]
+    assert gl.fp8_weights(False) is gl.fp8_weights(False)
     assert torch.equal(gl(x, splits, is_first_microbatch=True)[128:], 4 * y0[128:])
     with pytest.raises(TypeError, match="is_first_microbatch must be None or a bool, got 1"):
         gl(x, splits, is_first_microbatch=1)
@@ -145,6 +170,49 @@ def test_checkpoint_gives_same_gradients():
     gl.zero_grad()
     torch.utils.checkpoint.checkpoint(gl, x2, splits, use_reentrant=False).sum().backward()
     assert torch.equal(x1.grad, x2.grad) and all(torch.equal(a, w.grad) for a, w in zip(g1, gl.weights))
+
+
+def test_fp8_weights_are_dropped_after_dgrad_and_a_second_backward_says_so():
+    """Backward frees its FP8 W (and the W^T it makes) before the wgrad output exists (peak memory), as TE
+    frees its FP8 tensors; a second backward through the same graph is refused with a clear error."""
+    splits = [128, 128]
+    gl, x = setup(splits)
+    y = gl(x.requires_grad_(), splits)
+    fn = y.grad_fn
+    y.sum().backward(retain_graph=True)
+    assert x.grad is not None and fn.weight_fp8 is None
+    with pytest.raises(RuntimeError, match="retain_graph=True a second time is not supported"):
+        y.sum().backward()
+
+
+def test_wgrad_operands_are_columnwise_only(monkeypatch):
+    """Forward keeps only X^T for wgrad, and backward hands wgrad dY^T without dY's rowwise bytes: nothing
+    rowwise outlives its last use (peak memory)."""
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
+
+    seen = []
+    real = grouped_linear.grouped_gemm_wgrad
+    monkeypatch.setattr(grouped_linear, "grouped_gemm_wgrad",
+                        lambda dy_t, x_t, *a, **kw: seen.append((dy_t.usages, x_t.usages)) or real(dy_t, x_t, *a, **kw))
+    splits = [128, 128]
+    gl, x = setup(splits)
+    y = gl(x, splits)
+    assert [t.dtype for t in y.grad_fn.saved_tensors] == [torch.float8_e4m3fn, torch.float32]
+    y.sum().backward()
+    assert seen == [(("columnwise",), ("columnwise",))]
+
+
+def test_load_state_dict_drops_the_fp8_weight_cache():
+    """A cache made before ``load_state_dict`` is never used after it, even by ``is_first_microbatch=False``."""
+    splits = [128, 128]
+    gl, x = setup(splits)
+    gl(x, splits, is_first_microbatch=True)
+    state = {k: 2 * v for k, v in gl.state_dict().items()}
+    gl.load_state_dict(state)
+    assert torch.equal(gl(x, splits, is_first_microbatch=False), gl(x, splits))
+    cached = gl.fp8_weights(True)
+    gl.reset_fp8_weight_cache()
+    assert gl.fp8_weights(False) is not cached
 
 
 def test_parameter_names_follow_transformer_engine():

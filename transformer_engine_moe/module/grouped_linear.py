@@ -7,12 +7,15 @@ used as is, never dequantized. Per step:
 
 - forward: weights quantized 128x128 (cached across micro-batches by TE's
   ``is_first_microbatch`` rule, ``fp8_weights``); ``out = grouped_gemm(inp, W)`` in
-  BF16 (or the input's dtype). Saved for backward: the FP8 input (rowwise) and the
-  FP8 weights.
+  BF16 (or the input's dtype). Kept for backward: the FP8 weights W and, when a
+  weight gradient is wanted, only the input's scaling-aware transpose (expert-major
+  128x1, what wgrad reads; the rowwise input is not kept, as TE keeps only the
+  columnwise copy).
 - backward: the output gradient is quantized 1x128 (E4M3, or E5M2 for the HYBRID
-  recipe); dgrad ``dX = dY @ W_g`` through the per-expert transposed FP8 weights
-  (the same quantization, a byte transpose); wgrad ``dW_g = dY_g^T X_g`` from the
-  scaling-aware transposes of dY and of the saved FP8 input. With
+  recipe); dgrad ``dX = dY @ W_g`` through W^T, a byte transpose of W made here and
+  dropped with W right after the dgrad GEMM (only one FP8 copy of the weights lives
+  across the step, W^T only during dgrad); wgrad ``dW_g = dY_g^T X_g`` from the
+  scaling-aware transpose of dY and the kept transpose of the input. With
   ``fuse_wgrad_accumulation``, wgrad is added into each weight's ``main_grad``
   (Megatron) and ``.grad`` gets a placeholder, as in TE: Megatron's DDP hooks fire
   when the weight's gradient is accumulated, and skip weights whose
@@ -28,6 +31,7 @@ from torch import nn
 
 from ..layout import MSplits, m_splits_tensor
 from ..ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
+from ..ops.quantize import quantize_grouped_weight
 from ..ops.transpose import scaling_aware_transpose
 from ..quantizer import Float8BlockQuantizer
 from ..recipe import FP8FlowRecipe, Role
@@ -37,6 +41,19 @@ from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 def _bias_rows(bias: torch.Tensor, m_splits: MSplits, m: int) -> torch.Tensor:
     """``[M, N]``: each row's group bias (no host sync for device splits)."""
     return torch.repeat_interleave(bias, m_splits_tensor(m_splits, bias.device), dim=0, output_size=m)
+
+
+def _stacked_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A ``[G, N, K]`` view of G contiguous float32 ``[N, K]`` tensors that lie one after another in one
+    storage (Megatron's ``main_grad`` buffers often do), or None."""
+    t0 = tensors[0]
+    step = t0.numel()
+    for i, t in enumerate(tensors):
+        if (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != t0.shape
+                or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
+                or t.storage_offset() != t0.storage_offset() + i * step):
+            return None
+    return t0.as_strided((len(tensors), *t0.shape), (step, *t0.stride()))
 
 
 _PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
@@ -54,37 +71,55 @@ def _placeholder_wgrad(weight: torch.Tensor) -> torch.Tensor:
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, m_splits, module, weight_fp8, weight_t_fp8, bias, *weights):
+    def forward(ctx, inp, m_splits, module, weight_fp8, bias, *weights):
         x = inp if isinstance(inp, Float8BlockwiseQTensor) else module.quantizers[Role.INPUT](inp)
         out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
         if bias is not None:
             out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
-        ctx.save_for_backward(x.rowwise_data, x.rowwise_scale_inv)  # FP8 only
-        ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.pow2_scales)
-        ctx.weight_t_fp8 = weight_t_fp8
+        ctx.wgrad = any(ctx.needs_input_grad[5:]) or module.fuse_wgrad_accumulation
+        if ctx.wgrad:  # only wgrad reads the input: keep its columnwise copy alone (as TE), FP8 only
+            x_t = scaling_aware_transpose(x, m_splits)
+            ctx.save_for_backward(x_t.columnwise_data, x_t.columnwise_scale_inv)
+            ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.pow2_scales)
+        ctx.weight_fp8 = weight_fp8  # not saved_tensors: the moe_expert rerun reuses it, never re-saves it
         ctx.m_splits, ctx.module, ctx.weights = m_splits, module, weights
         ctx.has_bias = bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        data, scale = ctx.saved_tensors
-        shape, dtype, fp8_dtype, pow2 = ctx.x_meta
         module, m_splits = ctx.module, ctx.m_splits
-        x = Float8BlockwiseQTensor(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, pow2_scales=pow2,
-                                   rowwise_data=data, rowwise_scale_inv=scale)
+        weight, ctx.weight_fp8 = ctx.weight_fp8, None
+        if weight is None:
+            raise RuntimeError("GroupedLinear's backward ran twice through one graph: it drops its FP8 weights "
+                               "after the dgrad GEMM (as TransformerEngine frees its FP8 tensors in backward), so "
+                               "backward with retain_graph=True a second time is not supported")
         dy = module.quantizers[Role.GRAD](grad_out.contiguous())
         dgrad = None
         if ctx.needs_input_grad[0]:
-            dgrad = grouped_gemm(dy, ctx.weight_t_fp8, m_splits, out_dtype=grad_out.dtype,
-                                 backend=module.backend)
+            weight_t = transpose_grouped_weight(weight, backend="reference" if module.backend == "reference"
+                                                else "auto")
+            dgrad = grouped_gemm(dy, weight_t, m_splits, out_dtype=grad_out.dtype, backend=module.backend)
+            del weight_t
+        del weight  # the wgrad output below need not coexist with the FP8 weights (peak memory)
         dweights = [None] * len(ctx.weights)
-        if any(ctx.needs_input_grad[6:]) or module.fuse_wgrad_accumulation:
+        if ctx.wgrad:
             dy_t = scaling_aware_transpose(dy, m_splits)
-            x_t = scaling_aware_transpose(x, m_splits)
+            dy_t.update_usage(rowwise_usage=False)  # shared dy's rowwise bytes: freed with dy (peak memory)
+            del dy
+            data, scale = ctx.saved_tensors
+            shape, dtype, fp8_dtype, pow2 = ctx.x_meta
+            x_t = Float8BlockwiseQTensor(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, pow2_scales=pow2,
+                                         columnwise_data=data, columnwise_scale_inv=scale,
+                                         columnwise_m_splits=m_splits)
             if module.fuse_wgrad_accumulation:
-                wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, backend=module.backend)
-                torch._foreach_add_([w.main_grad for w in ctx.weights], list(wgrad.unbind(0)))
+                main_grads = [w.main_grad for w in ctx.weights]
+                stacked = _stacked_view(main_grads)
+                if stacked is not None:  # accumulated in place (DeepGEMM: C = D = main_grad)
+                    grouped_gemm_wgrad(dy_t, x_t, m_splits, out=stacked, accumulate=True, backend=module.backend)
+                else:
+                    wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, backend=module.backend)
+                    torch._foreach_add_(main_grads, list(wgrad.unbind(0)))
                 for w in ctx.weights:
                     w.grad_added_to_main_grad = True
                 dweights = [_placeholder_wgrad(w) for w in ctx.weights]
@@ -98,7 +133,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 m_splits_tensor(m_splits, grad_out.device), output_size=grad_out.shape[0])
             dbias = torch.zeros((len(ctx.weights), grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
             dbias = dbias.index_add_(0, rows, grad_out.float()).to(module.bias_dtype)
-        return (dgrad, None, None, None, None, dbias, *dweights)
+        return (dgrad, None, None, None, dbias, *dweights)
 
 
 class GroupedLinear(nn.Module):
@@ -150,9 +185,10 @@ class GroupedLinear(nn.Module):
     def weights(self) -> list[nn.Parameter]:
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
-    def fp8_weights(self, is_first_microbatch: Optional[bool] = None
-                    ) -> tuple[Float8BlockwiseQTensor, Float8BlockwiseQTensor]:
-        """``(W [G, N, K], W^T [G, K, N])`` 128x128 FP8, W^T a byte transpose of W's quantization.
+    def fp8_weights(self, is_first_microbatch: Optional[bool] = None) -> Float8BlockwiseQTensor:
+        """``W [G, N, K]`` 128x128 FP8 (``ops.quantize_grouped_weight``: one launch quantizes the G
+        weights in place). Only W is cached: backward makes W^T from it (a byte transpose, about 3%
+        of a step) and frees it after dgrad, so the cache costs one byte per parameter, not two.
 
         TransformerEngine's ``is_first_microbatch`` rule: None quantizes the current weights and
         keeps nothing; True quantizes them and caches the result; False reuses the cache (the
@@ -162,14 +198,23 @@ class GroupedLinear(nn.Module):
         """
         if is_first_microbatch is False and self._cache is not None:
             return self._cache
+        self._cache = None  # not alive next to its replacement
+        q = self.quantizers[Role.WEIGHT]
         with torch.no_grad():
-            stacked = torch.stack([w.detach() for w in self.weights]).view(-1, self.in_features)
-            w = self.quantizers[Role.WEIGHT](stacked)
-            w = w._make_like(shape=(self.num_gemms, self.out_features, self.in_features),
-                             rowwise_data=w.rowwise_data, rowwise_scale_inv=w.rowwise_scale_inv)
-        weights = (w, transpose_grouped_weight(w, "reference" if self.backend == "reference" else "auto"))
-        self._cache = None if is_first_microbatch is None else weights
-        return weights
+            weight, _ = quantize_grouped_weight(self.weights, q.dtype, q.force_pow_2_scales, q.amax_epsilon,
+                                                transpose=False,
+                                                backend="reference" if self.backend == "reference" else "auto")
+        self._cache = None if is_first_microbatch is None else weight
+        return weight
+
+    def reset_fp8_weight_cache(self) -> None:
+        """Drop the FP8 weights cached by ``is_first_microbatch=True``; the next call quantizes the
+        current weights whatever its flag. ``load_state_dict`` calls it."""
+        self._cache = None
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.reset_fp8_weight_cache()
+        super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, inp: Union[torch.Tensor, Float8BlockwiseQTensor], m_splits: Union[Sequence[int], torch.Tensor],
                 is_first_microbatch: Optional[bool] = None):
@@ -187,9 +232,9 @@ class GroupedLinear(nn.Module):
             m_splits = list(m_splits)
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
-        w, w_t = self.fp8_weights(is_first_microbatch)
+        w = self.fp8_weights(is_first_microbatch)
         bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
-        return _GroupedLinearFunction.apply(inp, m_splits, self, w, w_t, bias, *self.weights)
+        return _GroupedLinearFunction.apply(inp, m_splits, self, w, bias, *self.weights)
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
