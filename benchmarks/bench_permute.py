@@ -15,6 +15,7 @@ Run on a GPU: ``python benchmarks/bench_permute.py [--sweep]``.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +36,24 @@ class ExperimentResult:
     experts: int
     required_mb: float
     fused_us: float
+    fused_host_us: float
     kernels_us: float
     pct_of_copy: float
     unfused_us: float
     speedup: float
+
+
+def host_us(fn, n: int = 50) -> float:
+    """Microseconds the host takes to issue one call (no sync inside the loop). An op whose host time
+    exceeds its GPU time is launch-bound: its measured time is the host's."""
+    fn()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(n):
+        fn()
+    elapsed = time.perf_counter() - began
+    torch.cuda.synchronize()
+    return elapsed / n * 1e6
 
 
 def routing(tokens: int, experts: int):
@@ -96,9 +111,16 @@ def run_case(tokens: int, experts: int, copy_tbps: float) -> list[ExperimentResu
     required = tokens * (HIDDEN + 4 * nkb) + rows * (HIDDEN + 4 * nkb + 4)
     t_fused, t_kernels = utils.time_ms(fused), utils.time_ms(kernels)
     t_unfused = utils.time_ms(lambda: unfused_permute(q, probs, token, expert, dest, rows))
-    results = [ExperimentResult("permute+pad FP8", tokens, experts, required / 1e6, t_fused * 1e3,
+    results = [ExperimentResult("permute+pad FP8", tokens, experts, required / 1e6, t_fused * 1e3, host_us(fused),
                                 t_kernels * 1e3, 100 * required / t_kernels / 1e9 / copy_tbps,
                                 t_unfused * 1e3, t_unfused / t_fused)]
+    counts = rm.sum(0).tolist()  # the dispatcher's host counts: exact output size, no slack rows
+    exact = lambda: moe_permute_and_pad_with_probs(q, probs, rm, counts, ALIGN)  # noqa: E731
+    assert torch.equal(exact()[0].rowwise_data.view(torch.uint8), base[0])
+    t_exact = utils.time_ms(exact)
+    results.append(ExperimentResult("permute+pad FP8, host counts", tokens, experts, required / 1e6, t_exact * 1e3,
+                                    host_us(exact), t_kernels * 1e3, 100 * required / t_kernels / 1e9 / copy_tbps,
+                                    t_unfused * 1e3, t_unfused / t_exact))
 
     # unpermute + unpad, BF16 expert outputs merged with the probs
     y = torch.randn(capacity, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -106,11 +128,12 @@ def run_case(tokens: int, experts: int, copy_tbps: float) -> list[ExperimentResu
     ref_merged = unfused_unpermute(y, probs, token, expert, dest)
     torch.testing.assert_close(merged, ref_merged, rtol=1e-2, atol=1e-2)  # float32 sums, other order
     required = 2 * HIDDEN * (tokens * TOPK + tokens) + 4 * tokens * TOPK
-    t_fused = utils.time_ms(lambda: moe_unpermute(y, rmap, probs, pad_offsets=pad))
+    unpermute = lambda: moe_unpermute(y, rmap, probs, pad_offsets=pad)  # noqa: E731
+    t_fused = utils.time_ms(unpermute)
     t_kernels = utils.time_ms(lambda: kp.unpermute(y, rmap, probs, pad))
     t_unfused = utils.time_ms(lambda: unfused_unpermute(y, probs, token, expert, dest))
     results.append(ExperimentResult("unpermute+unpad BF16", tokens, experts, required / 1e6, t_fused * 1e3,
-                                    t_kernels * 1e3, 100 * required / t_kernels / 1e9 / copy_tbps,
+                                    host_us(unpermute), t_kernels * 1e3, 100 * required / t_kernels / 1e9 / copy_tbps,
                                     t_unfused * 1e3, t_unfused / t_fused))
     return results
 
@@ -148,7 +171,9 @@ def main():
         notes=(
             f"hidden {HIDDEN}, top-{TOPK}, align {ALIGN}; launch shapes (BLOCK_H, warps): permute "
             f"{kp.PERMUTE_CONFIG}, unpermute {kp.UNPERMUTE_CONFIG}. fused: the public op (row_id_map, "
-            "counts, kernels, zero fill); kernels: the data-moving kernel and the zero fill, given the "
+            "counts, kernels, zero fill); fused_host_us: the host's time to issue one fused call (no sync; "
+            "where it exceeds fused_us' GPU share the op is launch-bound); host counts: tokens_per_expert "
+            "as the dispatcher's host list, exact output size; kernels: the data-moving kernel and the zero fill, given the "
             "row_id_map; pct_of_copy: required bytes over the kernels' time. unfused: torch index_select / "
             "index_copy / index_add from precomputed indices (their computation not timed). "
             "Target: >= 75% of the copy bandwidth."

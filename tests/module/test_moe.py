@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import assert_no_host_sync, free_port, requires_cuda
 from transformer_engine_moe.module import FP8FlowMoE, saved_activation_bytes
 
 T, H, FFN, E, K = 96, 256, 128, 4, 2
@@ -86,16 +86,16 @@ def test_moe_expert_recompute_is_bitwise_and_keeps_only_the_fp8_input():
     assert c[5] <= T * (H + 4 * H // 128) + 4 * T * K * (8 + 4) + 4096  # FP8 rows + scales + routing, small extras
 
 
-def test_moe_expert_recompute_reuses_the_cached_fp8_weights():
+def test_moe_expert_recompute_reuses_the_cached_fp8_weights(monkeypatch):
     """TE's ``is_first_microbatch``: True quantizes fc1's and fc2's weights once and the backward rerun reuses
     them; False quantizes nothing; None quantizes in the forward and again in the rerun."""
-    from transformer_engine_moe.recipe import Role
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
 
     fp8, _ = pair(recompute="moe_expert")
     quantized = []
-    for linear in (fp8.linear_fc1, fp8.linear_fc2):
-        quantize = linear.quantizers[Role.WEIGHT]
-        linear.quantizers[Role.WEIGHT] = lambda w, q=quantize: quantized.append(w.shape) or q(w)
+    real = grouped_linear.quantize_grouped_weight
+    monkeypatch.setattr(grouped_linear, "quantize_grouped_weight",
+                        lambda ws, *a, **kw: quantized.append(len(ws)) or real(ws, *a, **kw))
     x, ids, probs = batch(3)
     fwd_bwd = lambda **kw: fp8.forward_topk(x.clone().requires_grad_(), ids, probs, **kw).float().sum().backward()
     fwd_bwd(is_first_microbatch=True)
@@ -195,3 +195,23 @@ def test_megatron_router_format_equals_topk_format():
     a = fp8(x, dense, dense > 0)
     b = fp8.forward_topk(x, ids, probs)
     assert torch.equal(a, b)
+
+
+@requires_cuda
+def test_gpu_experts_phase_has_no_host_sync():
+    """After the dispatch (which holds the host splits), permute -> fc1 -> SwiGLU -> fc2 -> unpermute and
+    their backward run without a host sync on the backends ``auto`` picks (DeepGEMM and cuBLAS where
+    installed, with the dispatcher's host splits; Triton otherwise). H 512, ffn 128, 4 experts: the shapes
+    tests/kernels compiles DeepGEMM for, so little is compiled here."""
+    torch.manual_seed(0)
+    block = FP8FlowMoE(4, 512, 128, 2, device="cuda")
+    x = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+    probs, ids = torch.softmax(torch.randn(1024, 4, device="cuda"), -1).topk(2)
+    res = block.dispatch(block.quantize(x), ids, probs)
+    dy = torch.randn(1024, 512, device="cuda", dtype=torch.bfloat16)
+
+    def experts_fwd_bwd():
+        p = res.topk_probs.detach().requires_grad_()
+        block.experts(res.hidden, res.topk_ids, p, res.tokens_per_expert, is_first_microbatch=True).backward(dy)
+
+    assert_no_host_sync(experts_fwd_bwd)

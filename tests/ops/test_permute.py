@@ -137,6 +137,25 @@ def test_fp8_permute_and_pad_matches_reference_and_keeps_bytes(align, case, t):
     assert (out.rowwise_scale_inv[~occupied] == 1).all() and (pprobs[~occupied] == 0).all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["random", "one_expert"])
+def test_host_tokens_per_expert_gives_the_exact_padded_size(backend, case):
+    """With the counts as a host list (what a dispatcher holds) the output has exactly the padded rows, as
+    TransformerEngine's; they equal the worst-case output's first rows."""
+    e, k, t, align = 6, 2, 33, 16
+    rm, probs = routing(t, e, k, case=case)
+    q = quantize_blockwise(torch.randn(t, 256, device=KERNEL_DEVICE).bfloat16())
+    counts = rm.sum(0).tolist()
+    exact = moe_permute_and_pad_with_probs(q, probs, rm, counts, align, backend=backend)
+    worst = moe_permute_and_pad_with_probs(q, probs, rm, None, align, t * k, backend=backend)
+    rows = sum(-(-c // align) * align for c in counts)
+    assert exact[0].shape == (rows, 256) and worst[0].shape[0] > rows
+    assert torch.equal(exact[0].rowwise_data.view(torch.uint8), worst[0].rowwise_data.view(torch.uint8)[:rows])
+    assert torch.equal(exact[0].rowwise_scale_inv, worst[0].rowwise_scale_inv[:rows])
+    assert torch.equal(exact[1], worst[1][:rows])
+    assert all(torch.equal(a, b) for a, b in zip(exact[2:], worst[2:]))
+
+
 def test_megatron_router_format_round_trips_through_topk():
     """routing_map_to_topk (Megatron's [T, E] probs + mask -> DeepEP's top-k) inverts topk_to_routing_map,
     fewer than k experts on a token (dropped or padded) included, and carries the probs' gradient."""
@@ -243,6 +262,12 @@ def test_unpermute_backward_kernel_matches_reference():
         (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, None, -2), ValueError, "align_size"),
         (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, torch.zeros(3), 16, 8), ValueError,
          "tokens_per_expert differs"),
+        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, [2, 2, 0], 16), ValueError,
+         "tokens_per_expert differs"),
+        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, [2, 2], 16), ValueError,
+         "num_experts=3 ints"),
+        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, torch.zeros(2), 16), ValueError,
+         r"\[num_experts=3\] tensor or a host list"),
         (lambda x, rm, p: moe_unpermute(quantize_blockwise(torch.randn(8, 128)), torch.zeros(4, 7, dtype=torch.int32)),
          TypeError, "dequantize the FP8 tensor first"),
         (lambda x, rm, p: moe_unpermute(x, torch.zeros(4, 7)), TypeError, "row_id_map must be the int32"),
@@ -262,7 +287,7 @@ def test_unpermute_backward_kernel_matches_reference():
         (lambda x, rm, p: routing_map_to_topk(p[:, :2], rm, 2), ValueError, r"probs must have shape \[4, 3\]"),
     ],
     ids=["int-inp", "1d-inp", "map-rows", "map-float", "probs-shape", "too-few-rows", "negative-rows",
-         "align", "tpe", "fp8-unpermute", "map-dtype", "merge-shape", "restore", "id-range", "id-twice",
+         "align", "tpe", "tpe-list", "tpe-list-len", "tpe-shape", "fp8-unpermute", "map-dtype", "merge-shape", "restore", "id-range", "id-twice",
          "id-dtype", "rm-dtype", "topk-range", "too-many", "rm-probs-shape"],
 )
 def test_bad_input_is_rejected_clearly(call, exc, match):

@@ -64,8 +64,8 @@ class FP8FlowMoE(nn.Module):
         recipe: ``FP8FlowRecipe``; precision: ``"fp8_flow"``, ``"bf16"`` (reference) or
             ``"blockwise_casts"`` (baseline);
         recompute: None or ``"moe_expert"``.
-        align_size: experts' rows padded to a multiple of this (512: every GEMM takes the cuBLAS
-            path, docs/grouped_gemm.md).
+        align_size: experts' rows padded to a multiple of this (128: the tile DeepGEMM's grouped
+            GEMMs and cuBLAS's wgrad need, docs/grouped_gemm.md).
         init_method, output_init_method: in-place initialisers of fc1's and fc2's weights (Megatron's
             ``config.init_method`` / ``output_layer_init_method``); default: as ``GroupedLinear``.
     Parameters: ``linear_fc1.weight{i}`` ``[2F, H]`` (gate rows first, then up) and ``linear_fc2.weight{i}``
@@ -75,7 +75,7 @@ class FP8FlowMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, topk: int,
                  ep_group: Optional[dist.ProcessGroup] = None, dispatcher: Optional[str] = None,
                  recipe: Optional[FP8FlowRecipe] = None, precision: str = "fp8_flow",
-                 recompute: Optional[str] = None, align_size: int = 512, params_dtype=torch.bfloat16,
+                 recompute: Optional[str] = None, align_size: int = 128, params_dtype=torch.bfloat16,
                  device=None, gemm_backend: str = "auto", init_method=None, output_init_method=None):
         super().__init__()
         if precision not in PRECISIONS:
@@ -114,13 +114,9 @@ class FP8FlowMoE(nn.Module):
         ``tokens_per_expert`` -> ``[R, H]`` BF16 (each token's prob-weighted sum over local experts)."""
         a = self.align_size
         padded = [-(-c // a) * a for c in tokens_per_expert]
-        total = sum(padded)
         routing_map, probs = topk_to_routing_map(topk_ids, topk_probs, self.num_local_experts)
-        x, probs, row_id_map, pad_offsets, _ = moe_permute_and_pad_with_probs(
-            hidden, probs, routing_map, None, a, num_out_tokens=sum(tokens_per_expert))
-        if x.shape[0] > total:  # drop the worst-case buffer's slack rows (zero-copy views)
-            x = x.split([total, x.shape[0] - total])[0]
-            probs = probs[:total]
+        x, probs, row_id_map, pad_offsets, _ = moe_permute_and_pad_with_probs(  # exactly sum(padded) rows
+            hidden, probs, routing_map, list(tokens_per_expert), a)
         if self.precision == "bf16":
             h = _bf16_grouped_linear(x, self.linear_fc1.weights, padded)
             act = weighted_swiglu(h, probs).to(h.dtype)

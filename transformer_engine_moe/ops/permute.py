@@ -16,6 +16,7 @@ import torch
 
 from ..recipe import HIGH_PRECISION_DTYPES
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from ..layout import m_splits_tensor
 from .backend import check_on_device, implementation, use_triton
 
 
@@ -147,26 +148,43 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
     num_experts = routing_map.shape[1]
     probs = _check_probs(probs, (num_tokens, num_experts), x.device)
     _check_count(num_out_tokens, "num_out_tokens")
-    if tokens_per_expert is not None and (not isinstance(tokens_per_expert, torch.Tensor)
-                                          or tuple(tokens_per_expert.shape) != (num_experts,)):
-        raise ValueError(f"tokens_per_expert must be a [num_experts={num_experts}] tensor")
+    host_counts = _check_tokens_per_expert(tokens_per_expert, num_experts)
     kernel = use_triton(backend, x, op)
-    row_id_map, counts, pad_offsets, padded = implementation(kernel, "permute").routing_layout(routing_map, max(align_size or 1, 1))
+    a = max(align_size or 1, 1)
+    row_id_map, counts, pad_offsets, padded = implementation(kernel, "permute").routing_layout(routing_map, a)
     if tokens_per_expert is not None:
-        check_on_device((tokens_per_expert.to(counts.device, torch.int64) == counts).all(),
-                         f"{op}: tokens_per_expert differs from routing_map.sum(0)")
-    if num_out_tokens is None:
-        num_out_tokens = num_tokens * num_experts  # a mask's worst case: pass num_tokens * topk instead
+        want = m_splits_tensor(host_counts, counts.device) if host_counts is not None else tokens_per_expert
+        check_on_device((want.to(counts.device, torch.int64) == counts).all(),
+                        f"{op}: tokens_per_expert differs from routing_map.sum(0)")
+    if host_counts is not None:  # the exact padded size, known on the host: no slack rows
+        capacity = sum(-(-c // a) * a for c in host_counts)
     else:
-        check_on_device(counts.sum() <= num_out_tokens,
-                         f"{op}: routing_map routes more than num_out_tokens={num_out_tokens} pairs")
-    capacity = num_out_tokens
+        if num_out_tokens is None:
+            num_out_tokens = num_tokens * num_experts  # a mask's worst case: pass num_tokens * topk instead
+        else:
+            check_on_device(counts.sum() <= num_out_tokens,
+                            f"{op}: routing_map routes more than num_out_tokens={num_out_tokens} pairs")
+        capacity = num_out_tokens + (num_experts * (a - 1) if align_size is not None else 0)
     if align_size is None:
         pad_offsets = padded = None
-    elif align_size > 1:
-        capacity += num_experts * (align_size - 1)
     out, out_probs = _Permute.apply(inp, probs, row_id_map, pad_offsets, capacity, kernel)
     return out, out_probs, row_id_map, pad_offsets, padded
+
+
+def _check_tokens_per_expert(tokens_per_expert, num_experts: int) -> Optional[list[int]]:
+    """The per-expert counts as a host list when given as one (else None); a tensor must be ``[E]``."""
+    if tokens_per_expert is None:
+        return None
+    if isinstance(tokens_per_expert, (list, tuple)):
+        if len(tokens_per_expert) != num_experts or not all(
+                isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in tokens_per_expert):
+            raise ValueError(f"tokens_per_expert as a host list must hold num_experts={num_experts} ints >= 0, "
+                             f"got {list(tokens_per_expert)}")
+        return list(tokens_per_expert)
+    if not isinstance(tokens_per_expert, torch.Tensor) or tuple(tokens_per_expert.shape) != (num_experts,):
+        raise ValueError(f"tokens_per_expert must be a [num_experts={num_experts}] tensor or a host list, got "
+                         f"{type(tokens_per_expert).__name__} {list(getattr(tokens_per_expert, 'shape', []))}")
+    return None
 
 
 def moe_permute(inp, routing_map: torch.Tensor, num_out_tokens: Optional[int] = None, *, backend: str = "auto"):
@@ -195,18 +213,19 @@ def moe_permute_with_probs(
 
 
 def moe_permute_and_pad_with_probs(
-    inp, probs: torch.Tensor, routing_map: torch.Tensor, tokens_per_expert: Optional[torch.Tensor],
-    align_size: int, num_out_tokens: Optional[int] = None, *, backend: str = "auto",
+    inp, probs: torch.Tensor, routing_map: torch.Tensor, tokens_per_expert, align_size: int,
+    num_out_tokens: Optional[int] = None, *, backend: str = "auto",
 ):
     """``moe_permute_with_probs`` with each expert's rows padded to a multiple of ``align_size``.
 
     Returns ``(output, permuted_probs, row_id_map, pad_offsets [E] int64,
-    padded_tokens_per_expert [E] int64)``; output has the worst-case
-    ``num_out_tokens + E * (align_size - 1)`` rows (``num_out_tokens`` default
-    ``T * E``); padding rows between experts and slack rows at the end are zero
-    (FP8: scale_inv 1). ``tokens_per_expert`` (``routing_map.sum(0)``, checked on
-    the device) may be None. ``align_size`` 0 or 1: no padding. Pass
-    ``pad_offsets`` to ``moe_unpermute``.
+    padded_tokens_per_expert [E] int64)``. ``tokens_per_expert`` (``routing_map.sum(0)``,
+    checked on the device) may be None, a device tensor, or a host list: with a host list
+    (what a dispatcher holds) the output has exactly ``sum(ceil(count / align_size) *
+    align_size)`` rows, as TransformerEngine's; otherwise the worst-case
+    ``num_out_tokens + E * (align_size - 1)`` rows (``num_out_tokens`` default ``T * E``),
+    the slack at the end. Padding rows between experts and slack rows are zero (FP8:
+    scale_inv 1). ``align_size`` 0 or 1: no padding. Pass ``pad_offsets`` to ``moe_unpermute``.
     """
     if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size < 0:
         raise ValueError(f"align_size must be a non-negative int, got {align_size!r}")
