@@ -1,74 +1,162 @@
-"""The FP8-Flow MoE expert block vs the BF16 block and today's blockwise FP8 with casts, EP=1, on the GPU.
+"""The FP8-Flow MoE expert block vs BF16 blocks and blockwise FP8 with casts, EP=1, per rank, on the GPU.
 
-DeepSeek-V3-like experts: hidden 7168, ffn 2048, top-8 routing over 8 or 32 local experts, 16384 tokens
-(131072 routed rows). Step time (forward + backward of the block, router outside; FP8 weights quantized
-once per step, as on a step's first micro-batch, and reused by the moe_expert rerun), peak memory, and the
-activation bytes autograd keeps for backward, with and without ``moe_expert`` recompute, for the same
-parameters in every block. BF16 block: per-expert cuBLAS BF16 GEMMs, float32 SwiGLU, the same
-permute/unpermute. Blockwise with casts: BF16 between ops, each GEMM quantizing its BF16 input (as
-TransformerEngine's Float8BlockScaling with Megatron). Writes a PNG next to the tables.
+DeepSeek-V3 experts (hidden 7168, ffn 2048, top-8, 16384 tokens = 131072 routed rows) over 8, 32, 64 and
+128 local experts: what one rank holds at EP = 32, 8, 4, 2 with 256 experts. Step: forward + backward of
+the block, router outside, FP8 weights quantized once per step (a step's first micro-batch) and reused by
+the moe_expert rerun, gradients set to None before each step as an optimizer's ``zero_grad`` does (else
+autograd adds every step's weight gradients into the last: a BF16 pass over all parameters, 4.2 ms per
+step at 64 experts on an H200, in every block). Blocks, all with the same parameters and routing:
 
-Run on a GPU: ``python benchmarks/bench_moe_layer.py``.
+- ``bf16_grouped_mm``: the strongest BF16 block (``baselines.BF16GroupedMMBlock``: stacked weights,
+  ``torch._grouped_mm``, no padding); every speedup is over it, measured in the same run;
+- ``bf16_loop``: BF16 per-expert cuBLAS GEMMs (``FP8FlowMoE(precision="bf16")``);
+- ``blockwise_casts``: blockwise FP8 with BF16 between ops (TransformerEngine's Float8BlockScaling);
+- ``fp8_flow`` and ``fp8_flow+moe_expert``: FP8-Flow, ``gemm_backend="auto"``.
+
+Reports step time, peak memory above the inputs, activation bytes kept for backward, and (``--profile``)
+where the FP8-Flow step's GPU time goes at 64 experts: GEMMs vs the rest, by kernel. Writes a PNG.
+
+Run on a GPU: ``python benchmarks/bench_moe_layer.py [--experts 8 32 64 128] [--profile]``.
 """
 
 from __future__ import annotations
 
+import argparse
+import collections
+
 import torch
 
-from transformer_engine_moe.module import FP8FlowMoE, saved_activation_bytes
+from transformer_engine_moe.module import FP8FlowMoE, GroupedLinear, saved_activation_bytes
 
 import utils
+from baselines import BF16GroupedMMBlock
 
 TOKENS, HIDDEN, FFN, TOPK = 16384, 7168, 2048, 8
+FP8_BLOCKS = {"bf16_loop": ("bf16", None), "blockwise_casts": ("blockwise_casts", None),
+              "fp8_flow": ("fp8_flow", None), "fp8_flow+moe_expert": ("fp8_flow", "moe_expert")}
+# Kernel name fragments -> category, for the profile (first match wins).
+CATEGORIES = (("gemm", ("gemm", "sm90_xmma", "cutlass", "wgrad", "deep_gemm", "nvjet")),
+              ("weight quantization + W^T", ("grouped_weight", "byte_transpose")),
+              ("activation quantization", ("quantize",)), ("scaling-aware transpose", ("transpose", "shift")),
+              ("permute / unpermute", ("permute", "scan", "routing", "row_id")), ("swiglu", ("swiglu",)))
 
 
-def measure(model, x, ids, probs, dy) -> dict:
+def step_fn(model, x, ids, probs, dy):
     def fwd_bwd():  # one micro-batch per step: the FP8 weights are quantized once per step
-        y = model.forward_topk(x, ids, probs, is_first_microbatch=True)
-        y.backward(dy)
+        model.zero_grad(set_to_none=True)  # as a training step's zero_grad: no add into last step's gradients
+        x.grad = None
+        model.forward_topk(x, ids, probs, is_first_microbatch=True).backward(dy)
+    return fwd_bwd
 
-    ms = utils.time_ms(fwd_bwd, 100, 1000)
+
+def memory(model, x, ids, probs, dy, is_first_microbatch) -> tuple[float, int]:
+    """(peak bytes allocated above the inputs and parameters during one forward+backward, saved activation
+    bytes), from no gradients and no cached FP8 weights: what the step allocates counts, the cache included."""
+    for m in model.modules():
+        if isinstance(m, GroupedLinear):
+            m.reset_fp8_weight_cache()
     model.zero_grad(set_to_none=True)
+    x.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    saved, y = saved_activation_bytes(lambda: model.forward_topk(x, ids, probs, is_first_microbatch=True))
+    saved, y = saved_activation_bytes(lambda: model.forward_topk(x, ids, probs, is_first_microbatch))
     y.backward(dy)
+    del y
     peak = torch.cuda.max_memory_allocated() - base
-    return dict(ms=ms, saved_gib=saved / 2**30, peak_gib=peak / 2**30)
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    return peak, saved
+
+
+def measure(model, x, ids, probs, dy) -> dict:
+    fwd_bwd = step_fn(model, x, ids, probs, dy)
+    fwd_bwd()  # compile / JIT outside the timing
+    torch.cuda.synchronize()
+    ms = utils.time_ms(fwd_bwd, 100, 1000)
+    peak, saved = memory(model, x, ids, probs, dy, True)
+    peak_uncached, _ = memory(model, x, ids, probs, dy, None)
+    return dict(ms=ms, saved_gib=saved / 2**30, peak_gib=peak / 2**30, peak_uncached_gib=peak_uncached / 2**30)
+
+
+def inputs(experts):
+    torch.manual_seed(0)
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probs, ids = torch.softmax(torch.randn(TOKENS, experts, device="cuda"), -1).topk(TOPK)
+    dy = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    return x, ids, probs, dy
+
+
+def sweep_point(experts) -> list[dict]:
+    x, ids, probs, dy = inputs(experts)
+    block = FP8FlowMoE(experts, HIDDEN, FFN, TOPK, device="cuda")
+    baseline = BF16GroupedMMBlock.from_block(block)
+    res = {"bf16_grouped_mm": measure(baseline, x, ids, probs, dy)}
+    del baseline
+    torch.cuda.empty_cache()
+    for name, (precision, recompute) in FP8_BLOCKS.items():
+        block.precision, block.recompute = precision, recompute
+        res[name] = measure(block, x, ids, probs, dy)
+    base = res["bf16_grouped_mm"]
+    return [dict(experts=experts, rows_per_expert=TOKENS * TOPK // experts, block=name, **r,
+                 speedup_over_bf16_grouped_mm=base["ms"] / r["ms"], peak_vs_bf16_grouped_mm=r["peak_gib"] / base[
+                     "peak_gib"]) for name, r in res.items()]
+
+
+def profile(experts: int) -> list[dict]:
+    """GPU time per kernel category of one FP8-Flow step (torch.profiler, 5 steps averaged)."""
+    x, ids, probs, dy = inputs(experts)
+    block = FP8FlowMoE(experts, HIDDEN, FFN, TOPK, device="cuda")
+    fwd_bwd = step_fn(block, x, ids, probs, dy)
+    for _ in range(2):
+        fwd_bwd()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fwd_bwd()
+        torch.cuda.synchronize()
+    per_kernel = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[e.name] += e.device_time / 5 / 1e3
+    total = sum(per_kernel.values())
+    cats = collections.Counter()
+    for name, ms in per_kernel.items():
+        low = name.lower()
+        cats[next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")] += ms
+    rows = [dict(what=f"category: {c}", ms=ms, share=ms / total) for c, ms in cats.most_common()]
+    rows += [dict(what=name[:90], ms=ms, share=ms / total) for name, ms in per_kernel.most_common(25)]
+    return rows
 
 
 def main():
-    _, env, ceilings, _ = utils.start(__doc__.splitlines()[0])
-    rows = []
-    for experts in (8, 32):
-        torch.manual_seed(0)
-        block = FP8FlowMoE(experts, HIDDEN, FFN, TOPK, device="cuda")
-        x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        probs, ids = torch.softmax(torch.randn(TOKENS, experts, device="cuda"), -1).topk(TOPK)
-        dy = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
-        res = {}
-        for name, precision, recompute in (("bf16", "bf16", None), ("blockwise_casts", "blockwise_casts", None),
-                                           ("fp8_flow", "fp8_flow", None),
-                                           ("fp8_flow+moe_expert", "fp8_flow", "moe_expert")):
-            block.precision, block.recompute = precision, recompute
-            res[name] = measure(block, x, ids, probs, dy)
-        for name, r in res.items():
-            rows.append(dict(experts=experts, block=name, **r, speedup_over_bf16=res["bf16"]["ms"] / r["ms"],
-                             speedup_over_casts=res["blockwise_casts"]["ms"] / r["ms"],
-                             saved_vs_bf16=r["saved_gib"] / res["bf16"]["saved_gib"]))
-        del block, x
-        torch.cuda.empty_cache()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64, 128])
+    parser.add_argument("--profile", action="store_true", help="also profile the FP8-Flow step at 64 experts")
+    args = parser.parse_args()
+    env = utils.environment()
+    ceilings = {"copy_bandwidth_tbps (1 GiB, read+write)": utils.copy_bandwidth_tbps()}
+    rows = [r for e in args.experts for r in sweep_point(e)]
     path = utils.write_results(
-        "bench_moe_layer", "MoE expert block forward+backward, EP=1", env, ceilings, rows,
-        ["experts", "block", "ms", "speedup_over_bf16", "speedup_over_casts", "saved_gib", "saved_vs_bf16",
-         "peak_gib"],
-        notes=(f"{TOKENS} tokens, hidden {HIDDEN}, ffn {FFN}, top-{TOPK}, experts' rows padded to 512. saved_gib: "
-               "distinct storages autograd keeps for backward (saved_tensors_hooks), parameters excluded. "
-               "peak_gib: peak allocation above the inputs during one forward+backward."),
-    )
+        "bench_moe_layer", "MoE expert block forward+backward, EP=1, per rank", env, ceilings, rows,
+        ["experts", "rows_per_expert", "block", "ms", "speedup_over_bf16_grouped_mm", "peak_gib",
+         "peak_vs_bf16_grouped_mm", "peak_uncached_gib", "saved_gib"],
+        notes=(f"{TOKENS} tokens, hidden {HIDDEN}, ffn {FFN}, top-{TOPK}, uniform random router. FP8 blocks pad "
+               "each expert's rows to the block's align_size; bf16_grouped_mm does not pad. saved_gib: distinct "
+               "storages autograd keeps for backward (saved_tensors_hooks), parameters excluded. peak_gib: peak "
+               "allocation above the inputs and parameters during one forward+backward as timed "
+               "(is_first_microbatch=True), from no gradients and no cached FP8 weights: the FP8 weight cache "
+               "(one byte per parameter) and the gradients count. peak_uncached_gib: the same with "
+               "is_first_microbatch=None (no cache, as Megatron's --disable-parameter-transpose-cache)."))
     print(path.read_text())
     plot(rows, path.with_suffix(".png"))
+    if args.profile:
+        prof = profile(64)
+        path = utils.write_results("bench_moe_layer_profile", "FP8-Flow block step at 64 experts: GPU time by "
+                                   "kernel", env, ceilings, prof, ["what", "ms", "share"],
+                                   notes="torch.profiler CUDA kernel time per step (5 steps averaged); the "
+                                         "categories first, then the 25 largest kernels.")
+        print(path.read_text())
 
 
 def plot(rows, path):
@@ -79,18 +167,18 @@ def plot(rows, path):
 
     blocks = list(dict.fromkeys(r["block"] for r in rows))
     experts = list(dict.fromkeys(r["experts"] for r in rows))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
     width = 0.8 / len(blocks)
     for i, b in enumerate(blocks):
-        for ax, key in zip(axes, ("ms", "saved_gib")):
+        for ax, key in zip(axes, ("speedup_over_bf16_grouped_mm", "peak_gib")):
             vals = [next(r[key] for r in rows if r["block"] == b and r["experts"] == e) for e in experts]
             ax.bar([j + i * width for j in range(len(experts))], vals, width, label=b)
-    for ax, title in zip(axes, ("forward+backward step (ms)", "activations kept for backward (GiB)")):
+    for ax, title in zip(axes, ("speedup over the BF16 grouped_mm block", "peak memory (GiB)")):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(experts))], [f"{e} experts" for e in experts])
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"MoE expert block, EP=1, {TOKENS} tokens, hidden {HIDDEN}, ffn {FFN}, top-{TOPK}")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"MoE expert block per rank, {TOKENS} tokens, hidden {HIDDEN}, ffn {FFN}, top-{TOPK}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -1,0 +1,67 @@
+"""BF16 MoE expert blocks that benchmarks measure FP8-Flow against (benchmark code, not product).
+
+``BF16GroupedMMBlock`` is the strongest BF16 block a user would pick instead of FP8-Flow, written as
+torchtitan writes its experts: weights stacked ``[E, 2F, H]`` (gate rows, then up) and ``[E, H, F]``,
+a stable argsort of the routed expert ids as the permute, ``torch._grouped_mm`` over the ragged groups
+(no padding), BF16 SwiGLU with the router prob applied to its output, and ``index_add_`` back to the
+tokens. Autograd differentiates it; nothing syncs with the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class BF16GroupedMMBlock(nn.Module):
+    """``forward_topk(hidden [T, H] BF16, topk_ids [T, k] int64, topk_probs [T, k] float32) -> [T, H]``
+    over ``E`` local experts with ``fc1 [E, 2F, H]`` and ``fc2 [E, H, F]`` BF16 parameters."""
+
+    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor):
+        super().__init__()
+        self.fc1 = nn.Parameter(fc1.detach().clone())
+        self.fc2 = nn.Parameter(fc2.detach().clone())
+
+    @classmethod
+    def from_block(cls, block) -> "BF16GroupedMMBlock":
+        """The same experts as an ``FP8FlowMoE`` (its ``linear_fc1/2.weight{i}`` stacked)."""
+        return cls(torch.stack(block.linear_fc1.weights), torch.stack(block.linear_fc2.weights))
+
+    def forward_topk(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
+                     is_first_microbatch=None, num_routed=None) -> torch.Tensor:
+        """``topk_ids`` local expert ids, -1 for a slot routed elsewhere (after an EP dispatch).
+        ``num_routed``: the number of slots routed here as a host int (a dispatcher's
+        ``sum(tokens_per_expert)``): only those rows are gathered and computed (``torch._grouped_mm``
+        leaves rows past the last offset undefined, gradients included). None: every slot is routed
+        here (asserted on the device, no host sync)."""
+        num_experts, k = self.fc1.shape[0], topk_ids.shape[1]
+        flat = topk_ids.reshape(-1)
+        if num_routed is None:
+            torch._assert_async((flat >= 0).all(), "topk_ids has slots routed elsewhere (-1): pass num_routed")
+        flat = torch.where(flat < 0, num_experts, flat)  # unused slots sort last, past offs[-1]
+        order = torch.argsort(flat, stable=True)[:flat.numel() if num_routed is None else num_routed]
+        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount syncs; this does not
+        offs = counts[:num_experts].cumsum(0, dtype=torch.int32)
+        token = order // k
+        h = torch._grouped_mm(hidden[token], self.fc1.transpose(-2, -1), offs=offs)
+        gate, up = h.chunk(2, dim=-1)
+        act = F.silu(gate) * up * topk_probs.reshape(-1)[order, None].to(h.dtype)
+        y = torch._grouped_mm(act, self.fc2.transpose(-2, -1), offs=offs)
+        return torch.zeros_like(hidden).index_add_(0, token, y)
+
+
+class BF16GroupedMMEP(nn.Module):
+    """``BF16GroupedMMBlock`` behind an FP8-Flow block's token dispatcher with a BF16 payload: what a
+    BF16 user runs at EP > 1 (dispatch, grouped_mm experts, combine)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.dispatcher = block.dispatcher
+        self.experts = BF16GroupedMMBlock.from_block(block)
+
+    def forward_topk(self, hidden, topk_ids, topk_probs, is_first_microbatch=None):
+        res = self.dispatcher.dispatch(hidden, topk_ids, topk_probs.float())
+        y = self.experts.forward_topk(res.hidden, res.topk_ids, res.topk_probs, num_routed=sum(res.tokens_per_expert))
+        return self.dispatcher.combine(y, res.handle)
