@@ -136,3 +136,37 @@ def test_te_adapter_refuses_grouped_columnwise_copy():
     q = quantize_blockwise(torch.randn(300, 256), columnwise=True, m_splits=[100, 200])
     with pytest.raises(ValueError, match="columnwise copy is grouped"):
         to_te(q)
+
+
+def _calls_with_splits(splits):
+    from transformer_engine_moe import Float8BlockwiseQTensor, scaling_aware_transpose
+    from transformer_engine_moe.ops.grouped_gemm import grouped_gemm
+
+    q = quantize_blockwise(torch.randn(4, 128))
+    w = quantize_blockwise(torch.randn(256, 128), block="128x128").reshape(2, 128, 128)
+    return {
+        "quantize": lambda: quantize_blockwise(torch.randn(4, 128), columnwise=True, m_splits=splits),
+        "quantize_triton": lambda: quantize_blockwise(torch.randn(4, 128), columnwise=True, m_splits=splits,
+                                                      backend="triton"),
+        "transpose": lambda: scaling_aware_transpose(q, splits),
+        "transpose_triton": lambda: scaling_aware_transpose(q, splits, backend="triton"),
+        "grouped_gemm": lambda: grouped_gemm(q, w, splits),
+        "tensor": lambda: Float8BlockwiseQTensor(
+            shape=(4, 128), dtype=torch.float32, fp8_dtype=torch.float8_e4m3fn, pow2_scales=True,
+            columnwise_data=torch.zeros(512, dtype=torch.float8_e4m3fn),
+            columnwise_scale_inv=torch.ones(2, 128), columnwise_m_splits=splits),
+    }
+
+
+@pytest.mark.parametrize("op", ["quantize", "quantize_triton", "transpose", "transpose_triton", "grouped_gemm",
+                                "tensor"])
+def test_device_splits_with_a_negative_size_are_refused_by_every_op(op):
+    """``[6, -2]`` sums to M=4: each op taking splits refuses it before any kernel indexes with it (it
+    used to abort the process from torch's repeat_interleave, and the Triton transpose accepted it)."""
+    with pytest.raises(ValueError, match=r"m_splits must be >= 0 and sum to M=4"):
+        _calls_with_splits(torch.tensor([6, -2]))[op]()
+
+
+def test_splits_on_another_device_than_the_rows_are_refused():
+    with pytest.raises(ValueError, match="m_splits is on cpu, the rows it splits on meta"):
+        check_m_splits(torch.tensor([2, 2]), 4, device="meta")

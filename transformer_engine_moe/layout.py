@@ -83,9 +83,22 @@ def gemm_ready_to_compact(scale_inv: torch.Tensor, is_2D_scaled: bool, columnwis
     return s.t().contiguous() if _transposed_in_gemm_ready(is_2D_scaled, columnwise) else s.contiguous()
 
 
-def check_m_splits(m_splits: MSplits, m: int, name: str = "m_splits") -> MSplits:
-    """Validate group sizes for M rows: None, a host sequence of ints summing to M, or a 1-D
-    integer tensor (its sum is not checked: that would need a host sync). Returns a list or tensor."""
+def check_on_device(cond: torch.Tensor, message: str) -> None:
+    """Raise ValueError on CPU; on the GPU a device-side assert (no host sync), loud all the same: the
+    kernels queued after it never run on bad values."""
+    if cond.device.type == "cpu":
+        if not bool(cond):
+            raise ValueError(message)
+    else:
+        torch._assert_async(cond, message)
+
+
+def check_m_splits(m_splits: MSplits, m: int, name: str = "m_splits", device=None) -> MSplits:
+    """Validate group sizes for M rows: None, a host sequence of ints >= 0 summing to M, or a 1-D
+    integer tensor of the same (checked with ``check_on_device``: no host sync on the GPU). Every op
+    taking splits checks them here: a negative size whose sum is still M would make the kernels and
+    the references index out of bounds. ``device``: where the rows live (a tensor of splits must be
+    there too). Returns a list or tensor."""
     if m_splits is None:
         return None
     if isinstance(m_splits, torch.Tensor):
@@ -94,6 +107,9 @@ def check_m_splits(m_splits: MSplits, m: int, name: str = "m_splits") -> MSplits
                 f"{name} as a tensor must be a non-empty 1-D int32/int64 tensor, "
                 f"got {m_splits.dtype} of shape {list(m_splits.shape)}"
             )
+        if device is not None and m_splits.device != torch.device(device):
+            raise ValueError(f"{name} is on {m_splits.device}, the rows it splits on {device}")
+        check_on_device((m_splits >= 0).all() & (m_splits.sum() == m), f"{name} must be >= 0 and sum to M={m}")
         return m_splits
     if not isinstance(m_splits, (list, tuple)) or not all(
         isinstance(s, int) and not isinstance(s, bool) for s in m_splits

@@ -205,7 +205,7 @@ def test_bad_input(make, kwargs, exc, match):
 
 
 def test_device_splits_that_do_not_sum_to_m_fail_loudly():
-    with pytest.raises(RuntimeError, match="m_splits must sum to M"):
+    with pytest.raises(ValueError, match=r"m_splits must be >= 0 and sum to M=4"):
         scaling_aware_transpose(quantize_blockwise(torch.randn(4, 128)), torch.tensor([1, 2]))
 
 

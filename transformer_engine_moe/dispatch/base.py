@@ -15,7 +15,7 @@ from typing import Any, Union
 
 import torch
 
-from ..ops.backend import check_on_device
+from ..layout import check_on_device
 from ..recipe import BLOCK_SIZE
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 

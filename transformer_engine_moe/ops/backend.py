@@ -41,11 +41,3 @@ def implementation(kernel: bool, op: str) -> ModuleType:
     ``reference.<op>``. Both expose the same function names and signatures."""
     return importlib.import_module(f"..{'kernels' if kernel else 'reference'}.{op}", __package__)
 
-
-def check_on_device(cond: torch.Tensor, message: str) -> None:
-    """Raise ValueError on CPU; on the GPU a device-side assert (no host sync), loud all the same."""
-    if cond.device.type == "cpu":
-        if not bool(cond):
-            raise ValueError(message)
-    else:
-        torch._assert_async(cond, message)

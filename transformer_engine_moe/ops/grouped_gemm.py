@@ -34,7 +34,7 @@ import torch
 
 from ..layout import MSplits, check_m_splits
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .backend import check_on_device, implementation, use_triton
+from .backend import implementation, use_triton
 
 GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "triton", "reference")
 # "auto"'s preference on the GPU, per GEMM kind: the first backend that can run the call. Measured on an
@@ -119,15 +119,10 @@ def _check_splits(m_splits: MSplits, m: int, groups: Optional[int], device) -> t
     """Validated ``(m_splits, number of groups)``; ``groups``: the count the weight expects (None: any)."""
     if m_splits is None:
         raise ValueError("m_splits is required: a host list or a device int tensor of per-expert row counts")
-    m_splits = check_m_splits(m_splits, m)
+    m_splits = check_m_splits(m_splits, m, device=device)
     n = len(m_splits) if isinstance(m_splits, list) else m_splits.numel()
     if groups is not None and n != groups:
         raise ValueError(f"m_splits has {n} groups but the weight has {groups} experts")
-    if isinstance(m_splits, torch.Tensor):
-        if m_splits.device != device:
-            raise ValueError(f"m_splits is on {m_splits.device}, the operands on {device}")
-        check_on_device((m_splits >= 0).all() & (m_splits.sum() == m),
-                        f"m_splits must be >= 0 and sum to M={m}")
     return m_splits, n
 
 

@@ -16,8 +16,8 @@ import torch
 
 from ..recipe import HIGH_PRECISION_DTYPES
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from ..layout import m_splits_tensor
-from .backend import check_on_device, implementation, use_triton
+from ..layout import check_on_device, m_splits_tensor
+from .backend import implementation, use_triton
 
 
 def _check_inp(inp, name="inp") -> torch.Tensor:

@@ -152,9 +152,7 @@ def quantize_with_args(x: torch.Tensor, args: QuantizeArgs, m_splits: MSplits = 
     if m_splits is not None:
         if args.block != "1x128" or not args.columnwise:
             raise ValueError("m_splits groups the 128x1 columnwise blocks: needs block='1x128', columnwise=True")
-        m_splits = check_m_splits(m_splits, x2d.shape[0])
-        if isinstance(m_splits, torch.Tensor):
-            torch._assert_async(m_splits.sum() == x2d.shape[0], "m_splits must sum to M")
+        m_splits = check_m_splits(m_splits, x2d.shape[0], device=x2d.device)
     return _Quantize.apply(x, args, m_splits)
 
 

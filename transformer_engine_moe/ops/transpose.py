@@ -51,11 +51,7 @@ def scaling_aware_transpose(
     """
     _check_input(t)
     m, k = t.rowwise_data.shape
-    m_splits = check_m_splits(m_splits, m)
-    if isinstance(m_splits, torch.Tensor):
-        if m_splits.device != t.device:
-            raise ValueError(f"m_splits is on {m_splits.device}, t on {t.device}")
-        torch._assert_async(m_splits.sum() == m, "m_splits must sum to M")
+    m_splits = check_m_splits(m_splits, m, device=t.device)
     return _Transpose.apply(t, m_splits, use_triton(backend, t.rowwise_data, "scaling_aware_transpose"))
 
 

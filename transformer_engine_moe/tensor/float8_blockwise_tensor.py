@@ -116,7 +116,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
         m = math.prod(shape[:-1])
         if columnwise_m_splits is not None and (is_2D_scaled or columnwise_data is None):
             raise ValueError("columnwise_m_splits needs 1x128-scaled columnwise data")
-        columnwise_m_splits = check_m_splits(columnwise_m_splits, m, "columnwise_m_splits")
+        columnwise_m_splits = check_m_splits(columnwise_m_splits, m, "columnwise_m_splits", device)
         _check_component(
             "rowwise", rowwise_data, rowwise_scale_inv, (m, k),
             scale_inv_shape(m, k, is_2D_scaled, False), fp8_dtype, device,
