@@ -331,3 +331,25 @@ def test_gpu_no_host_sync():
         (y.float().sum() + pprobs.sum()).backward()
 
     assert_no_host_sync(step)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("case", ["row-999", "inp-cut-short", "count-too-large", "pad-past-end"])
+def test_unpermute_refuses_a_map_that_names_rows_outside_inp(backend, case):
+    """A row_id_map pointing past ``inp`` (a map from another call, a cut-short ``inp``) segfaulted the
+    Triton kernel and read garbage; now every path refuses it by name before indexing."""
+    rm = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    y, _, rmap, pad, _ = moe_permute_and_pad_with_probs(torch.randn(4, 128), torch.rand(4, 3), rm, None, 16)
+    y = y.dequantize() if isinstance(y, Float8BlockwiseQTensor) else y
+    assert moe_unpermute(y, rmap, pad_offsets=pad, backend=backend).shape == (4, 128)  # as returned: fine
+    rmap, pad = rmap.clone(), pad.clone()
+    if case == "row-999":
+        rmap[0, 0] = 999
+    elif case == "inp-cut-short":
+        y = y[:20]
+    elif case == "count-too-large":
+        rmap[1, -1] = 3
+    else:
+        pad[2] = 1000
+    with pytest.raises(ValueError, match="row_id_map names rows outside inp's"):
+        moe_unpermute(y, rmap, pad_offsets=pad, backend=backend)

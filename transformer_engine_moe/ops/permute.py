@@ -79,6 +79,20 @@ def _check_row_id_map(row_id_map) -> int:
     return (row_id_map.shape[1] - 1) // 2
 
 
+def _check_map_rows(row_id_map: torch.Tensor, pad_offsets: Optional[torch.Tensor], num_rows: int, op: str) -> None:
+    """Each token's first n entries (n = ``row_id_map[t, 2E]``) name an expert in ``[0, E)`` and a row that,
+    plus the expert's padding, lies in ``[0, num_rows)``; the other entries are -1 (``check_on_device``: the
+    kernels and the reference index ``inp`` with them)."""
+    e = (row_id_map.shape[1] - 1) // 2
+    rows, experts, n = row_id_map[:, :e].long(), row_id_map[:, e:2 * e].long(), row_id_map[:, 2 * e:].long()
+    slot = torch.arange(e, device=row_id_map.device) < n
+    final = rows + (pad_offsets.long()[experts.clamp(0, max(e - 1, 0))] if pad_offsets is not None else 0)
+    used_ok = (rows >= 0) & (final >= 0) & (final < num_rows) & (experts >= 0) & (experts < e)
+    ok = ((n >= 0) & (n <= e)).all() & torch.where(slot, used_ok, (rows == -1) & (experts == -1)).all()
+    check_on_device(ok, f"{op}: row_id_map names rows outside inp's {num_rows} rows (with pad_offsets) or "
+                        "malformed entries: pass the map, pad_offsets and output of one permute call")
+
+
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, probs, row_id_map, pad_offsets, capacity: int, kernel: bool):
@@ -271,6 +285,7 @@ def moe_unpermute(
             raise ValueError(
                 f"restore_shape {list(restore_shape)} does not hold [num_tokens={num_tokens}, hidden={inp.shape[1]}]"
             )
+    _check_map_rows(row_id_map, pad_offsets, inp.shape[0], "moe_unpermute")
     kernel = use_triton(backend, inp, "moe_unpermute")
     out = _Unpermute.apply(inp.contiguous(), merging_probs, row_id_map, pad_offsets, kernel)
     return out.view(restore_shape) if restore_shape is not None else out
