@@ -232,8 +232,16 @@ def test_parameter_names_follow_transformer_engine():
         (None, lambda gl: gl(torch.randn(4, 128), [5, -1]), ValueError, ">= 0"),
         (None, lambda gl: gl(torch.ones(4, 128, dtype=torch.int32), [2, 2]), TypeError, "bf16/fp16/fp32"),
         (None, lambda gl: gl(torch.randn(4, 128), [4]), ValueError, "1 groups but the weight has 2 experts"),
+        (lambda: GroupedLinear(2, 128, 128, recipe="e4m3"), None, TypeError, "recipe must be an FP8FlowRecipe"),
+        (lambda: GroupedLinear(2, 128, 128, recipe=FP8FlowRecipe(power_2_scales=False)), None, ValueError,
+         "power_2_scales must be True"),
+        (lambda: GroupedLinear(2, 128, 128, backend="bogus"), None, ValueError, "backend must be one of"),
+        (lambda: GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=1), None, TypeError, "must be a bool"),
+        (lambda: GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=True), lambda gl: gl(torch.randn(4, 128), [2, 2]),
+         ValueError, "weight0 has none"),
     ],
-    ids=["features", "num-gemms", "params-dtype", "in-features", "sum", "negative", "dtype", "groups"],
+    ids=["features", "num-gemms", "params-dtype", "in-features", "sum", "negative", "dtype", "groups", "recipe-str",
+         "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad"],
 )
 def test_bad_input_is_rejected_clearly(make, call, exc, match):
     with pytest.raises(exc, match=match):

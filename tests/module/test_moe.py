@@ -125,8 +125,11 @@ def test_routing_corner_cases(case):
          "256 features"),
         ({}, lambda m: m.forward_topk(torch.randn(4, H).bfloat16(), torch.zeros(4, 3, dtype=torch.long), torch.rand(4, 3)),
          ValueError, r"topk_ids must be \[T, topk=2\]"),
+        (dict(align_size=0), None, ValueError, "align_size must be a positive int"),
+        (dict(align_size=128.0), None, ValueError, "align_size must be a positive int"),
+        (dict(gemm_backend="bogus"), None, ValueError, "backend must be one of"),
     ],
-    ids=["precision", "recompute", "hidden", "topk"],
+    ids=["precision", "recompute", "hidden", "topk", "align-0", "align-float", "gemm-backend"],
 )
 def test_bad_input(kw, call, exc, match):
     with pytest.raises(exc, match=match):

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..layout import MSplits, m_splits_tensor
-from ..ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
+from ..ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
 from ..ops.quantize import quantize_grouped_weight
 from ..ops.transpose import scaling_aware_transpose
 from ..quantizer import Float8BlockQuantizer
@@ -165,6 +165,16 @@ class GroupedLinear(nn.Module):
                              f"got {in_features} and {out_features}")
         if params_dtype not in (torch.bfloat16, torch.float32):
             raise TypeError(f"params_dtype must be torch.bfloat16 or torch.float32, got {params_dtype}")
+        if recipe is not None and not isinstance(recipe, FP8FlowRecipe):
+            raise TypeError(f"recipe must be an FP8FlowRecipe (e.g. FP8FlowRecipe(fp8_format=Format.HYBRID)), "
+                            f"got {recipe!r}")
+        if recipe is not None and not recipe.power_2_scales:
+            raise ValueError("recipe.power_2_scales must be True: the wgrad operands come from the scaling-aware "
+                             "transpose, which shifts exponents and needs power-of-two scales")
+        if backend not in GEMM_BACKENDS:
+            raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
+        if not isinstance(fuse_wgrad_accumulation, bool):
+            raise TypeError(f"fuse_wgrad_accumulation must be a bool, got {fuse_wgrad_accumulation!r}")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.recipe = recipe or FP8FlowRecipe()
         self.quantizers = {role: Float8BlockQuantizer.from_recipe(self.recipe, role) for role in Role}
@@ -232,6 +242,13 @@ class GroupedLinear(nn.Module):
             m_splits = list(m_splits)
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
+        if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
+            missing = [i for i, w in enumerate(self.weights)
+                       if w.requires_grad and getattr(w, "main_grad", None) is None]
+            if missing:
+                raise ValueError(f"fuse_wgrad_accumulation=True adds weight gradients into each weight's main_grad (a "
+                                 f"float32 buffer shaped like it, as Megatron's DDP allocates); weight{missing[0]} "
+                                 f"has none")
         w = self.fp8_weights(is_first_microbatch)
         bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
         return _GroupedLinearFunction.apply(inp, m_splits, self, w, bias, *self.weights)

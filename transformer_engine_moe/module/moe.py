@@ -82,6 +82,9 @@ class FP8FlowMoE(nn.Module):
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be None or 'moe_expert', got {recompute!r}")
+        if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size <= 0:
+            raise ValueError(f"align_size must be a positive int (rows each expert is padded to a multiple of), "
+                             f"got {align_size!r}")
         if not isinstance(topk, int) or not 0 < topk <= num_experts:
             raise ValueError(f"topk must be an int in [1, num_experts={num_experts}], got {topk!r}")
         ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
