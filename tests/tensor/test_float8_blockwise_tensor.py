@@ -158,6 +158,32 @@ def test_dispatch_falls_back_to_dequantized_values_and_refuses_writes():
     assert torch.equal(plain, q.dequantize(torch.bfloat16))
 
 
+@pytest.mark.parametrize("write", ["setitem", "slice-setitem", "select-add_", "data"])
+def test_writes_through_indexing_or_data_raise_instead_of_vanishing(write):
+    """``q[0] = 0`` and friends used to write into a dequantized temporary: silent no-ops."""
+    q = _q(m=4)
+    before = q.dequantize()
+    writes = {"setitem": lambda: q.__setitem__(0, 0.0),
+              "slice-setitem": lambda: q.__setitem__(slice(1, 3), torch.zeros(2, 256)),
+              "select-add_": lambda: q[0].add_(1),
+              "data": lambda: setattr(q, "data", torch.zeros(4, 256))}
+    with pytest.raises(TypeError, match="Float8BlockwiseQTensor"):
+        writes[write]()
+    assert torch.equal(q.dequantize(), before)
+
+
+def test_row_preserving_torch_views_stay_fp8_and_others_raise():
+    q = _q(m=4)
+    for r in (torch.reshape(q, (2, 2, 256)), q.flatten(0, 0), q.reshape(4, 256).view(1, 4, 256)):
+        assert isinstance(r, Float8BlockwiseQTensor) and r.rowwise_data.data_ptr() == q.rowwise_data.data_ptr()
+        assert torch.equal(r.dequantize().reshape(4, 256), q.dequantize())
+    with pytest.raises(ValueError, match="same last dim|K=256"):
+        torch.reshape(q, (-1,))
+    for view in (lambda: q[0], lambda: q[1:3], lambda: q.t(), lambda: q.transpose(0, 1)):
+        with pytest.raises(TypeError, match="would return a view of a Float8BlockwiseQTensor"):
+            view()
+
+
 def test_update_usage():
     w = _q(block="128x128")
     w.update_usage(columnwise_usage=True)

@@ -336,6 +336,19 @@ class Float8BlockwiseQTensor(torch.Tensor):
             raise ValueError(f"m_splits must be >= 0 and sum to M={m}, got {list(m_splits)}")
         return _Split.apply(self, tuple(m_splits))
 
+    def __setitem__(self, key, value):
+        raise TypeError("Float8BlockwiseQTensor does not support item assignment: its FP8 data is immutable "
+                        "here; dequantize() it, or quantize a new tensor")
+
+    @property
+    def data(self):
+        return self.detach()
+
+    @data.setter
+    def data(self, value):
+        raise TypeError("Float8BlockwiseQTensor.data cannot be assigned: its FP8 data is immutable here; "
+                        "quantize a new tensor")
+
     # ------------------------------------------------------------------ dispatch
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -346,6 +359,8 @@ class Float8BlockwiseQTensor(torch.Tensor):
             src = args[0]  # data and scales copied; columnwise_m_splits (metadata) kept as the same object
             return src._make_like(**{k: (v.clone() if v is not None and k != "columnwise_m_splits" else v)
                                      for k, v in src._components().items()})
+        if func in (aten.view.default, aten._unsafe_view.default) and isinstance(args[0], cls):
+            return _reshaped(args[0], args[1])  # torch.reshape, flatten, ...: row-preserving views stay FP8
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 val = args[i] if i < len(args) else kwargs.get(arg.name)
@@ -354,6 +369,13 @@ class Float8BlockwiseQTensor(torch.Tensor):
                         f"{func} would write into a Float8BlockwiseQTensor; its FP8 data is "
                         "immutable here: dequantize() it, or quantize a new tensor"
                     )
+        if isinstance(args[0], cls) and any(r.alias_info is not None and not r.alias_info.is_write
+                                            for r in func._schema.returns):
+            raise TypeError(
+                f"{func} would return a view of a Float8BlockwiseQTensor (indexing, slicing, transposing); "
+                "it has no FP8 form, and writes through a dequantized copy would be lost: dequantize() "
+                "first, or use view/reshape (same last dim) or split"
+            )
         args, kwargs = pytree.tree_map_only(
             cls, lambda t: t._dequantize_no_grad(t.dtype), (args, kwargs)
         )
@@ -373,17 +395,22 @@ def _shape_arg(shape) -> tuple:
     return tuple(shape)
 
 
+def _reshaped(t: Float8BlockwiseQTensor, shape) -> Float8BlockwiseQTensor:
+    """``t`` with another ``[..., K]`` shape of the same last dim K (the FP8 storage is ``[M, K]``)."""
+    new_shape = torch.empty(t.shape, device="meta").reshape(shape).shape
+    if len(new_shape) < 1 or new_shape[-1] != t.shape[-1]:
+        raise ValueError(
+            f"Float8BlockwiseQTensor can only reshape between [..., K] shapes with K={t.shape[-1]}, "
+            f"got {list(new_shape)} from {list(t.shape)}"
+        )
+    return t._make_like(shape=new_shape)
+
+
 class _Reshape(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, shape):
-        new_shape = torch.empty(t.shape, device="meta").reshape(shape).shape
-        if len(new_shape) < 1 or new_shape[-1] != t.shape[-1]:
-            raise ValueError(
-                f"Float8BlockwiseQTensor can only reshape between [..., K] shapes with K={t.shape[-1]}, "
-                f"got {list(new_shape)} from {list(t.shape)}"
-            )
         ctx.shape = t.shape
-        return t._make_like(shape=new_shape)
+        return _reshaped(t, shape)
 
     @staticmethod
     def backward(ctx, grad):
