@@ -77,6 +77,9 @@ def _view(args: argparse.Namespace) -> FP8FlowView:
         add_bias_linear=getattr(args, "add_bias_linear", True),
         recompute_granularity=getattr(args, "recompute_granularity", None),
         recompute_modules=modules,
+        moe_router_topk=getattr(args, "moe_router_topk", None),
+        hidden_size=getattr(args, "hidden_size", None),
+        moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
     )
 
 
@@ -88,8 +91,11 @@ def validate_fp8_flow_args(args: argparse.Namespace) -> None:
 def resolve_fp8_flow_format(args: argparse.Namespace) -> None:
     """Without TransformerEngine, move ``--fp8-format`` to ``--moe-fp8-flow-format`` (in place),
     with one warning: the experts run FP8-Flow, everything else BF16."""
-    if not (args.moe_fp8_flow and args.fp8) or importlib.util.find_spec("transformer_engine"):
+    if not args.fp8 or importlib.util.find_spec("transformer_engine"):
         return
+    if not args.moe_fp8_flow:
+        raise ValueError(f"--fp8-format {args.fp8} needs TransformerEngine, which is not installed; add "
+                         "--moe-fp8-flow to run the routed experts in FP8 with this package's kernels")
     args.moe_fp8_flow_format = args.moe_fp8_flow_format or args.fp8
     args.fp8 = None
     warnings.warn(f"TransformerEngine is not installed: the routed experts run FP8-Flow "

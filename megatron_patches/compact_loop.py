@@ -109,11 +109,15 @@ def parse_args(argv) -> argparse.Namespace:
     if args.moe_grouped_gemm and not args.moe_fp8_flow:
         parser.error("--moe-grouped-gemm without --moe-fp8-flow needs TransformerEngine's "
                      "grouped experts, which the CPU loop lacks; drop it (SequentialMLP experts)")
+    for flag, value in (("--micro-batch-size", args.micro_batch_size), ("--seq-length", args.seq_length),
+                        ("--train-iters", args.train_iters), ("--global-batch-size", args.global_batch_size)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     try:
         validate_fp8_flow_args(args)
+        resolve_fp8_flow_format(args)
     except ValueError as error:
         parser.error(str(error))
-    resolve_fp8_flow_format(args)
     return args
 
 

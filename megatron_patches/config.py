@@ -57,6 +57,9 @@ def _view(config) -> FP8FlowView:
         add_bias_linear=config.add_bias_linear,
         recompute_granularity=config.recompute_granularity,
         recompute_modules=config.recompute_modules or (),
+        moe_router_topk=config.moe_router_topk,
+        hidden_size=config.hidden_size,
+        moe_ffn_hidden_size=config.moe_ffn_hidden_size,
     )
 
 

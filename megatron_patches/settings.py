@@ -47,6 +47,9 @@ class FP8FlowView:
     add_bias_linear: bool
     recompute_granularity: Optional[str]
     recompute_modules: Sequence[str]
+    moe_router_topk: Optional[int] = None
+    hidden_size: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
 
 
 def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
@@ -69,8 +72,21 @@ def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
                 f"{name('recompute_modules')} has both 'moe' (the whole MoE layer) and "
                 f"{MOE_EXPERT!r} (inside it): choose one"
             )
+    if view.num_moe_experts and view.moe_router_topk is not None \
+            and not 1 <= view.moe_router_topk <= view.num_moe_experts:
+        problems.append(
+            f"{name('moe_router_topk')} must be in [1, {name('num_moe_experts')}={view.num_moe_experts}] "
+            f"(got {view.moe_router_topk})"
+        )
     if not view.moe_fp8_flow:
         return problems
+    for field in ("hidden_size", "moe_ffn_hidden_size"):
+        size = getattr(view, field)
+        if size is not None and size % 128:
+            problems.append(
+                f"{name('moe_fp8_flow')} quantizes the experts' weights in 128x128 blocks: "
+                f"{name(field)} must be a multiple of 128 (got {size})"
+            )
     if not view.num_moe_experts:
         problems.append(f"{name('moe_fp8_flow')} requires {name('num_moe_experts')} (MoE layers)")
     if view.fp8_recipe != "blockwise":

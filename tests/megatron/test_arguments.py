@@ -14,8 +14,8 @@ from megatron_patches.compact_loop import parse_args
 
 FULL = ("--fp8-format e4m3 --fp8-recipe blockwise --moe-fp8-flow --recompute-granularity selective "
         "--recompute-modules moe_expert --moe-token-dispatcher-type flex --moe-grouped-gemm").split()
-MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 --num-experts 4 "
-         "--micro-batch-size 2 --train-iters 2 --swiglu --disable-bias-linear").split()
+MODEL = ("--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 32 --num-experts 4 "
+         "--moe-ffn-hidden-size 128 --micro-batch-size 2 --train-iters 2 --swiglu --disable-bias-linear").split()
 
 
 def test_full_flag_set_parses():
@@ -58,6 +58,31 @@ def test_rules_by_flag_name():
         assert needle in text
 
 
+@pytest.mark.parametrize("change, message", [
+    (("--num-experts 4", "--num-experts 4 --moe-router-topk 5"), "--moe-router-topk must be in [1, --num-experts=4]"),
+    (("--hidden-size 128", "--hidden-size 192"), "--hidden-size must be a multiple of 128 (got 192)"),
+    (("--moe-ffn-hidden-size 128", "--moe-ffn-hidden-size 96"), "--moe-ffn-hidden-size must be a multiple of 128"),
+    (("--micro-batch-size 2", "--micro-batch-size 0"), "--micro-batch-size must be >= 1, got 0"),
+    (("--seq-length 32", "--seq-length 0"), "--seq-length must be >= 1, got 0"),
+    (("--train-iters 2", "--train-iters -1"), "--train-iters must be >= 1, got -1"),
+], ids=["topk", "hidden", "ffn", "micro-batch", "seq-length", "train-iters"])
+def test_bad_sizes_are_refused_at_argument_validation(change, message, capsys):
+    argv = " ".join(MODEL + FULL).replace(*change).split()
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_fp8_format_without_fp8_flow_or_transformer_engine_is_named(capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine"):
+        pytest.skip("TransformerEngine installed: --fp8-format is its flag")
+    with pytest.raises(SystemExit):
+        parse_args(MODEL + ["--fp8-format", "e4m3", "--fp8-recipe", "blockwise"])
+    assert "needs TransformerEngine, which is not installed; add --moe-fp8-flow" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--sequence-parallel", "--bf16"])
 def test_unsupported_megatron_flag_is_named(capsys, flag):
     with pytest.raises(SystemExit):
@@ -74,7 +99,7 @@ def test_apply_is_idempotent_and_config_accepts_moe_expert():
     assert (TransformerConfig.__init__, TransformerConfig.__post_init__) == (init, post)
     assert torch.cuda.current_device() == torch.device("cpu") or torch.cuda.is_available()
     config = TransformerConfig(
-        num_layers=1, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
+        num_layers=1, hidden_size=128, num_attention_heads=4, num_moe_experts=4,
         add_bias_linear=False, gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         moe_fp8_flow=True, moe_fp8_flow_format="hybrid", fp8_recipe="blockwise",
         moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall",

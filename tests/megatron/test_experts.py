@@ -69,8 +69,8 @@ def world_of_one():
 def _config(**overrides):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    settings = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_moe_experts=4,
-                    moe_router_topk=2, moe_ffn_hidden_size=32, add_bias_linear=False,
+    settings = dict(num_layers=2, hidden_size=128, num_attention_heads=4, num_moe_experts=4,
+                    moe_router_topk=2, moe_ffn_hidden_size=128, add_bias_linear=False,
                     gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                     use_cpu_initialization=True, moe_fp8_flow=True, moe_fp8_flow_format="e4m3",
                     fp8_recipe="blockwise", moe_grouped_gemm=True,
