@@ -27,6 +27,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality of two float32 tensors, NaN included (``torch.equal`` says NaN != NaN): scales,
+    where a block holding +-inf has scale_inv NaN."""
+    return a.shape == b.shape and a.dtype == b.dtype == torch.float32 and torch.equal(
+        a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
 def assert_no_host_sync(step) -> None:
     """Run ``step()`` once (compiling its kernels), then again with CUDA's sync debug mode raising on
     any host-device synchronisation."""

@@ -84,6 +84,8 @@ def quantize(x: torch.Tensor, fp8_dtype, block_rows: int, block_cols: int, pow2=
             a = np.abs(blk)
             amax = float(np.max(np.where(np.isnan(a), 0, a))) if blk.size else 0.0
             scale, sinv[i, j] = block_scale(amax, fp8_dtype, x.dtype, pow2, eps)
+            if np.isinf(amax):  # this package, unlike TE: a block holding +-inf gets scale_inv NaN
+                sinv[i, j] = np.nan
             prod = (blk * np.float32(scale)).astype(np.float32)  # float32 product, as TE
             codes[i * block_rows:(i + 1) * block_rows, j * block_cols:(j + 1) * block_cols] = (
                 round_to_fp8(prod.astype(np.float64), fp8_dtype)

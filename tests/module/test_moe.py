@@ -218,3 +218,30 @@ def test_gpu_experts_phase_has_no_host_sync():
         block.experts(res.hidden, res.topk_ids, p, res.tokens_per_expert, is_first_microbatch=True).backward(dy)
 
     assert_no_host_sync(experts_fwd_bwd)
+
+
+@pytest.mark.parametrize("where", ["token", "output_grad", "weight"])
+def test_non_finite_values_stay_non_finite(where):
+    """An inf in a token, in the output gradient or in a weight reaches the output / the gradients as
+    non-finite values, as in the BF16 block (Megatron's NaN/inf checks rely on it): the quantizers give a
+    block holding inf a NaN scale_inv instead of saturating it to a finite +-fp8_max."""
+    fp8, _ = pair()
+    x, ids, probs = batch(5)
+    x = x.clone()
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(6)).bfloat16()
+    if where == "token":
+        x[3, 5] = float("inf")
+    elif where == "output_grad":
+        dy[2, 9] = float("inf")
+    else:
+        with torch.no_grad():
+            fp8.linear_fc1.weight0.fill_(float("inf"))
+    x.requires_grad_()
+    y = fp8.forward_topk(x, ids, probs)
+    y.backward(dy)
+    wgrads = [w.grad for w in fp8.linear_fc1.weights + fp8.linear_fc2.weights if w.grad is not None]
+    if where == "output_grad":
+        assert torch.isfinite(y).all()
+        assert not torch.isfinite(x.grad).all() and not all(torch.isfinite(g).all() for g in wgrads)
+    else:
+        assert not torch.isfinite(y).all() and not torch.isfinite(x.grad).all()

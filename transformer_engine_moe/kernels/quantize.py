@@ -33,7 +33,9 @@ GROUPED_WEIGHT_WARPS = 8  # quantize_grouped_weight: 63% of copy on an H200 (2: 
 
 @triton.jit
 def compute_scale(amax, eps, value_for_inf, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    """Per-block (scale, scale_inv) from float32 amax: TransformerEngine's rule."""
+    """Per-block (scale, scale_inv) from float32 amax (NaN ignored): TransformerEngine's rule, except that a
+    block holding +-inf gets scale_inv NaN (its codes saturate as TE's do), so dequantization and every
+    GEMM on it give non-finite values instead of +-fp8_max times a scale of 1."""
     amax = tl.where(amax < eps, eps, amax)
     scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), amax)
     scale = tl.where(scale == float("inf"), value_for_inf, scale)
@@ -41,7 +43,7 @@ def compute_scale(amax, eps, value_for_inf, FP8_MAX: tl.constexpr, POW2: tl.cons
     if POW2:
         scale = (scale.to(tl.int32, bitcast=True) & -8388608).to(tl.float32, bitcast=True)
     scale_inv = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    return scale, scale_inv
+    return scale, tl.where(amax == float("inf"), float("nan"), scale_inv)
 
 
 @triton.jit
@@ -54,16 +56,12 @@ def abs_no_nan(x):
 @triton.jit
 def quantize_1x128_tile(x, eps, value_for_inf, BLOCK_M: tl.constexpr, K_BLOCKS: tl.constexpr,
                         FP8_MAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr,
-                        SOFTWARE_CAST: tl.constexpr, INF_BLOCKS_NAN: tl.constexpr = False):
-    """Float32 tile [BLOCK_M, K_BLOCKS*128] -> (FP8 codes uint8, scale_inv [BLOCK_M, K_BLOCKS]) per 1x128 block.
-
-    ``INF_BLOCKS_NAN``: a block holding +-inf gets a NaN scale_inv (instead of saturating to
-    +-fp8_max with scale 1), so the overflow stays visible after dequantization."""
+                        SOFTWARE_CAST: tl.constexpr):
+    """Float32 tile [BLOCK_M, K_BLOCKS*128] -> (FP8 codes uint8, scale_inv [BLOCK_M, K_BLOCKS]) per 1x128 block
+    (a block holding +-inf: scale_inv NaN, ``compute_scale``)."""
     x3 = tl.reshape(x, (BLOCK_M, K_BLOCKS, 128))
     amax = tl.max(abs_no_nan(x3), axis=2)
     scale, scale_inv = compute_scale(amax, eps, value_for_inf, FP8_MAX, POW2)
-    if INF_BLOCKS_NAN:
-        scale_inv = tl.where(amax == float("inf"), float("nan"), scale_inv)
     v = tl.reshape(x3 * scale[:, :, None], (BLOCK_M, K_BLOCKS * 128))
     return float_to_fp8_bits(v, FP8_MAX, E5M2, SOFTWARE_CAST), scale_inv
 

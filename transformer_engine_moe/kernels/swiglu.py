@@ -50,7 +50,7 @@ def _weighted_swiglu_quant_kernel(
     if HAS_PROBS:
         y = y * to_float(tl.load(p_ptr + rows, mask=row_ok, other=0.0), SOFTWARE_CAST)[:, None]
     q, scale_inv = quantize_1x128_tile(y, 0.0, value_for_inf, BLOCK_M, K_BLOCKS, FP8_MAX, E5M2, POW2,
-                                       SOFTWARE_CAST, INF_BLOCKS_NAN=True)
+                                       SOFTWARE_CAST)
     tl.store(q_ptr + rows[:, None] * F + cols[None, :], q, mask=mask)
     kb = tl.program_id(1) * K_BLOCKS + tl.arange(0, K_BLOCKS)
     tl.store(s_ptr + rows[:, None] * num_kb + kb[None, :], scale_inv, mask=row_ok[:, None] & (kb < num_kb)[None, :])
@@ -92,9 +92,9 @@ def _weighted_swiglu_backward_kernel(
             kb = k0 // 128 + tl.arange(0, K_BLOCKS)
             smask = row_ok[:, None] & (kb < F // 128)[None, :]
             qa, sa = quantize_1x128_tile(da, 0.0, value_for_inf, BLOCK_M, K_BLOCKS, FP8_MAX, E5M2, POW2,
-                                         SOFTWARE_CAST, INF_BLOCKS_NAN=True)
+                                         SOFTWARE_CAST)
             qb, sb = quantize_1x128_tile(db, 0.0, value_for_inf, BLOCK_M, K_BLOCKS, FP8_MAX, E5M2, POW2,
-                                         SOFTWARE_CAST, INF_BLOCKS_NAN=True)
+                                         SOFTWARE_CAST)
             tl.store(dxa, qa, mask=mask)
             tl.store(dxa + F, qb, mask=mask)
             tl.store(dxs_ptr + rows[:, None] * num_kb + kb[None, :], sa, mask=smask)

@@ -14,6 +14,7 @@ import torch
 
 from ..recipe import BLOCK_SIZE, HIGH_PRECISION_DTYPES, FP8FlowRecipe, Role
 from ..reference import swiglu as ref
+from ..reference.quantize import quantize_1x128
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from .backend import use_triton
 
@@ -27,7 +28,7 @@ class _WeightedSwiGLUQuant(torch.autograd.Function):
 
             q, s = ks.weighted_swiglu_quant(x, probs, fp8_dtype, recipe.power_2_scales)
         else:
-            q, s = ref.quantize_nonfinite_1x128(ref.weighted_swiglu(x, probs), fp8_dtype, recipe.power_2_scales)
+            q, s = quantize_1x128(ref.weighted_swiglu(x, probs), fp8_dtype, recipe.power_2_scales)
         ctx.save_for_backward(x, probs)
         ctx.recipe, ctx.quantize_grad, ctx.kernel = recipe, quantize_grad, kernel
         return Float8BlockwiseQTensor(
@@ -48,7 +49,7 @@ class _WeightedSwiGLUQuant(torch.autograd.Function):
         else:
             dx32, dprobs = ref.weighted_swiglu_backward(dy, x, probs)
             if grad_fp8 is not None:
-                dx, dx_scale = ref.quantize_nonfinite_1x128(dx32, grad_fp8, recipe.power_2_scales)
+                dx, dx_scale = quantize_1x128(dx32, grad_fp8, recipe.power_2_scales)
             else:
                 dx, dx_scale = dx32.to(x.dtype), None
         if grad_fp8 is not None:

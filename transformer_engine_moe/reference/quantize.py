@@ -1,6 +1,7 @@
 """Plain-PyTorch blockwise FP8 quantization: the oracle and the CPU path.
 
-Semantics equal TransformerEngine's blockwise quantizer bit for bit:
+Semantics equal TransformerEngine's blockwise quantizer bit for bit on finite
+inputs, with one deliberate difference for +-inf (last item):
 
 * ``amax`` is the max of ``|x|`` over the block's valid elements, NaN ignored
   (TE reduces with ``fmaxf``, which drops NaN operands);
@@ -12,7 +13,11 @@ Semantics equal TransformerEngine's blockwise quantizer bit for bit:
 * ``scale_inv = 1 / scale`` (float32);
 * ``data = fp8(x * scale)``: float32 product, round-to-nearest-even, finite
   saturation (``__NV_SATFINITE``: +-inf becomes +-fp8_max), NaN becomes the
-  canonical NaN byte ``0x7F`` whatever its sign.
+  canonical NaN byte ``0x7F`` whatever its sign;
+* a block holding +-inf gets ``scale_inv = NaN`` (TE: 1), so it dequantizes,
+  and multiplies in a GEMM, to non-finite values: an overflow is never turned
+  into a finite +-fp8_max (Megatron's checks for non-finite gradients and
+  losses depend on it). NaN elements stay NaN through their code.
 
 Layouts (COMPACT, see ``layout.py``): rowwise 1x128 data ``[M, K]``
 with scale_inv ``[M, ceil(K/128)]``; columnwise 128x1 data ``[K, M]`` (the
@@ -54,6 +59,13 @@ def compute_scale(
     return scale
 
 
+def scale_inv_of(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``1 / scale`` per block, NaN for a block whose amax is inf: its codes saturate as TE's do, but the
+    NaN scale makes it dequantize (and multiply in a GEMM) to non-finite values. A deliberate difference
+    from TransformerEngine, which gives such a block scale 1 and so turns an overflow into +-fp8_max."""
+    return torch.where(torch.isinf(amax), torch.full_like(scale, float("nan")), torch.reciprocal(scale))
+
+
 def cast_to_fp8(v: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """Cast float32 ``v`` to FP8: round-to-nearest-even, saturate to finite, NaN -> 0x7F."""
     limit = fp8_max(fp8_dtype)
@@ -83,10 +95,11 @@ def quantize_1x128(
     Returns FP8 data ``[M, K]`` and float32 scale_inv ``[M, ceil(K/128)]``.
     """
     k = x.shape[1]
-    scale = compute_scale(_block_amax_rows(x), fp8_dtype, x.dtype, pow2_scales, amax_epsilon)
+    amax = _block_amax_rows(x)
+    scale = compute_scale(amax, fp8_dtype, x.dtype, pow2_scales, amax_epsilon)
     scale_full = scale.repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
     data = cast_to_fp8(x.float() * scale_full, fp8_dtype)
-    return data, torch.reciprocal(scale)
+    return data, scale_inv_of(scale, amax)
 
 
 def quantize_128x1(
@@ -110,7 +123,7 @@ def quantize_128x1(
     amax.scatter_reduce_(0, block[:, None].expand(m, k), a, "amax")
     scale = compute_scale(amax, fp8_dtype, x.dtype, pow2_scales, amax_epsilon)
     data = cast_to_fp8(x.float() * scale[block], fp8_dtype)
-    return to_columnwise(data, m_splits), torch.reciprocal(scale)
+    return to_columnwise(data, m_splits), scale_inv_of(scale, amax)
 
 
 def quantize_128x128(
@@ -131,7 +144,7 @@ def quantize_128x128(
     scale = compute_scale(amax, fp8_dtype, x.dtype, pow2_scales, amax_epsilon)
     scale_full = scale.repeat_interleave(BLOCK_SIZE, 0).repeat_interleave(BLOCK_SIZE, 1)
     data = cast_to_fp8(x.float() * scale_full[:m, :k], fp8_dtype)
-    return data, torch.reciprocal(scale)
+    return data, scale_inv_of(scale, amax)
 
 
 def dequantize_1x128(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -15,12 +15,11 @@ One IEEE division: ``a * (1 / (1 + e))`` would round twice. Backward, for
     s = 1 / (1 + e);  silu = a * s;  g = dy * p;  dsilu = s * (1 + a * (1 - s))
     da = (g * b) * dsilu;  db = g * silu;  dp = sum_f (dy * silu) * b
 
-Quantization of ``y`` is ``quantize_1x128`` except that an overflow is never
-silently clipped to +-fp8_max: a 1x128 block holding +-inf gets a NaN scale_inv
-(its data is what ``quantize_1x128`` writes), so it dequantizes to NaN. The
-next GEMM's output row would be non-finite anyway (inf times the weights);
-marking the block costs one select per block where an element-wise inf code
-cost five operations per element. NaN stays NaN (the NaN byte).
+Quantization of ``y`` is ``quantize_1x128``: an overflow is never silently
+clipped to +-fp8_max (a 1x128 block holding +-inf gets a NaN scale_inv, so it
+dequantizes to NaN; marking the block costs one select per block where an
+element-wise inf code cost five operations per element). NaN stays NaN (the
+NaN byte).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from typing import Optional
 
 import torch
 
-from .quantize import quantize_1x128
 
 LOG2E = 1.4426950408889634  # used as float32, in the kernels too
 
@@ -44,15 +42,6 @@ def weighted_swiglu(x: torch.Tensor, probs: Optional[torch.Tensor] = None) -> to
     a, b = _halves(x)
     y = (a / (1.0 + torch.exp2(-a * LOG2E))) * b
     return y * probs.float()[:, None] if probs is not None else y
-
-
-def quantize_nonfinite_1x128(y: torch.Tensor, fp8_dtype: torch.dtype, pow2_scales: bool = True):
-    """``quantize_1x128`` of float32 ``y`` with a NaN scale_inv for every 1x128 block holding +-inf:
-    ``(data, scale_inv)``."""
-    data, scale_inv = quantize_1x128(y, fp8_dtype, pow2_scales)
-    m, f = y.shape
-    has_inf = torch.isinf(y).view(m, f // 128, 128).any(dim=2)
-    return data, torch.where(has_inf, torch.full_like(scale_inv, float("nan")), scale_inv)
 
 
 def weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: Optional[torch.Tensor] = None):

@@ -44,9 +44,10 @@ def shift_fp8_down(code: torch.Tensor, d: torch.Tensor, fp8_dtype: torch.dtype) 
 
 
 def check_pow2_scales(scale_inv: torch.Tensor, name: str = "scale_inv") -> None:
-    """Raise ValueError unless every scale is a positive power of two (normal, or 2**-127)."""
+    """Raise ValueError unless every scale is a positive power of two (normal, or 2**-127) or NaN (a block
+    its quantizer marked non-finite)."""
     mantissa, _ = torch.frexp(scale_inv)
-    if not bool(((mantissa == 0.5) & torch.isfinite(scale_inv)).all()):
+    if not bool((((mantissa == 0.5) & torch.isfinite(scale_inv)) | torch.isnan(scale_inv)).all()):
         raise ValueError(
             f"{name} holds scales that are not powers of two; the scaling-aware transpose "
             "shifts exponents and would need a real requantization (quantize with pow2_scales=True)"
@@ -58,18 +59,25 @@ def scaling_aware_transpose(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``data [M, K]`` FP8, ``scale_inv [M, ceil(K/128)]`` (powers of two) ->
     ``(data_t, scale_inv_t [num_column_blocks, K])``, ``data_t`` ``[K, M]`` or, grouped, expert-major ``[M*K]``
-    (``layout.py``); unused trailing blocks get scale 1."""
+    (``layout.py``); unused trailing blocks get scale 1. A column block with a row scale of NaN (a row block
+    its quantizer marked non-finite) gets scale NaN and NaN codes: the non-finite value stays non-finite."""
     check_pow2_scales(scale_inv)
     m, k = data.shape
     nb = num_column_blocks(m, m_splits)
     block = column_block_of_row(m, m_splits, data.device)
+    idx = block[:, None].expand_as(scale_inv)
+    nan_row = torch.isnan(scale_inv)
     s_col = torch.zeros(nb, scale_inv.shape[1], device=data.device)
-    s_col.scatter_reduce_(0, block[:, None].expand_as(scale_inv), scale_inv, "amax")
+    s_col.scatter_reduce_(0, idx, torch.where(nan_row, torch.zeros_like(scale_inv), scale_inv), "amax")
+    nan_col = torch.zeros_like(s_col).scatter_reduce_(0, idx, nan_row.float(), "amax") > 0
     used = torch.bincount(block, minlength=nb) > 0
     s_col = torch.where(used[:, None], s_col, torch.ones_like(s_col))
-    d = torch.frexp(s_col[block])[1] - torch.frexp(scale_inv)[1]  # [M, nkb], exact for powers of two
+    row_s = torch.where(nan_row, s_col[block], scale_inv)  # NaN rows: no shift (their codes become NaN)
+    d = torch.frexp(s_col[block])[1] - torch.frexp(row_s)[1]  # [M, nkb], exact for powers of two
     d = d.repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
     out = shift_fp8_down(data.view(torch.uint8).int(), d, data.dtype)
+    out = torch.where(nan_col[block].repeat_interleave(BLOCK_SIZE, dim=1)[:, :k], 0x7F, out)
+    s_col = torch.where(nan_col, torch.full_like(s_col, float("nan")), s_col)
     data_t = to_columnwise(out.to(torch.uint8).view(data.dtype), m_splits)
     return data_t, s_col.repeat_interleave(BLOCK_SIZE, dim=1)[:, :k].contiguous()
 
