@@ -1,6 +1,7 @@
 """Float8BlockwiseQTensor: construction checks, views, split, autograd, dispatch, pickling."""
 
 import io
+import pickle
 
 import pytest
 import torch
@@ -207,13 +208,19 @@ def test_update_usage():
         _q(pow2_scales=False).update_usage(columnwise_usage=True)
 
 
-def test_pickle_round_trip():
-    q = _q(columnwise=True)
-    buf = io.BytesIO()
-    torch.save(q, buf)
-    buf.seek(0)
-    r = torch.load(buf, weights_only=False)
-    assert isinstance(r, Float8BlockwiseQTensor) and r.usages == q.usages
+@pytest.mark.parametrize("how", ["torch.save", "pickle"])
+def test_pickle_round_trip(how):
+    """torch.save and plain pickle (which cannot serialise float8 storages itself) both round-trip."""
+    q = _q(columnwise=True, m_splits=[100, 200])
+    if how == "pickle":
+        r = pickle.loads(pickle.dumps(q))
+    else:
+        buf = io.BytesIO()
+        torch.save(q, buf)
+        buf.seek(0)
+        r = torch.load(buf, weights_only=False)
+    assert isinstance(r, Float8BlockwiseQTensor) and r.usages == q.usages and r.fp8_dtype == q.fp8_dtype
+    assert r.columnwise_m_splits == [100, 200] and r.rowwise_data.dtype == q.rowwise_data.dtype
     assert torch.equal(r.dequantize(), q.dequantize())
     assert torch.equal(r.dequantize(usage="columnwise"), q.dequantize(usage="columnwise"))
 

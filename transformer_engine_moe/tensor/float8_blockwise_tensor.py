@@ -219,10 +219,12 @@ class Float8BlockwiseQTensor(torch.Tensor):
         )
 
     def __reduce_ex__(self, protocol):
+        # FP8 data travels as uint8 views: plain pickle cannot serialise float8 storages (torch 2.11-2.13)
+        components = {k: (v.view(torch.uint8) if k.endswith("_data") and v is not None else v)
+                      for k, v in self._components().items()}
         return (
             _rebuild,
-            (tuple(self.shape), self.dtype, self._fp8_dtype, self._is_2D_scaled, self._pow2_scales,
-             self._components()),
+            (tuple(self.shape), self.dtype, self._fp8_dtype, self._is_2D_scaled, self._pow2_scales, components),
         )
 
     # ------------------------------------------------------------------ dequantize
@@ -383,6 +385,8 @@ class Float8BlockwiseQTensor(torch.Tensor):
 
 
 def _rebuild(shape, dtype, fp8_dtype, is_2D_scaled, pow2_scales, components):
+    components = {k: (v.view(fp8_dtype) if k.endswith("_data") and v is not None else v)
+                  for k, v in components.items()}
     return Float8BlockwiseQTensor(
         shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, is_2D_scaled=is_2D_scaled,
         pow2_scales=pow2_scales, **components,
