@@ -239,9 +239,15 @@ def test_parameter_names_follow_transformer_engine():
         (lambda: GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=1), None, TypeError, "must be a bool"),
         (lambda: GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=True), lambda gl: gl(torch.randn(4, 128), [2, 2]),
          ValueError, "weight0 has none"),
+        (None, lambda gl: gl(torch.randn(4, 128, device="meta"), [2, 2]), ValueError, "inp is on meta, the weights"),
+        (None, lambda gl: gl(quantize_blockwise(torch.randn(128, 128), block="128x128"), [64, 64]), ValueError,
+         "rowwise 1x128 with power-of-two scales"),
+        (None, lambda gl: gl(quantize_blockwise(torch.randn(4, 128), pow2_scales=False), [2, 2]), ValueError,
+         "rowwise 1x128 with power-of-two scales"),
     ],
     ids=["features", "num-gemms", "params-dtype", "in-features", "sum", "negative", "dtype", "groups", "recipe-str",
-         "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad"],
+         "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad", "device", "weight-role-input",
+         "fp32-scales-input"],
 )
 def test_bad_input_is_rejected_clearly(make, call, exc, match):
     with pytest.raises(exc, match=match):

@@ -128,8 +128,10 @@ def test_routing_corner_cases(case):
         (dict(align_size=0), None, ValueError, "align_size must be a positive int"),
         (dict(align_size=128.0), None, ValueError, "align_size must be a positive int"),
         (dict(gemm_backend="bogus"), None, ValueError, "backend must be one of"),
+        ({}, lambda m: m.forward_topk(torch.randn(4, H, device="meta").bfloat16(), *batch(0, t=4)[1:]), ValueError,
+         "hidden is on meta, the block's parameters on cpu"),
     ],
-    ids=["precision", "recompute", "hidden", "topk", "align-0", "align-float", "gemm-backend"],
+    ids=["precision", "recompute", "hidden", "topk", "align-0", "align-float", "gemm-backend", "device"],
 )
 def test_bad_input(kw, call, exc, match):
     with pytest.raises(exc, match=match):

@@ -238,6 +238,12 @@ class GroupedLinear(nn.Module):
         if not isinstance(inp, Float8BlockwiseQTensor) and inp.dtype not in (torch.bfloat16, torch.float16,
                                                                              torch.float32):
             raise TypeError(f"inp must be bf16/fp16/fp32 or a Float8BlockwiseQTensor, got {inp.dtype}")
+        if inp.device != self.weight0.device:
+            raise ValueError(f"inp is on {inp.device}, the weights on {self.weight0.device}: move one of them")
+        if isinstance(inp, Float8BlockwiseQTensor) and (inp.is_2D_scaled or not inp.pow2_scales
+                                                        or inp.rowwise_data is None):
+            raise ValueError("an FP8 inp must be rowwise 1x128 with power-of-two scales (the input role's "
+                             f"quantization; wgrad transposes it by exponent shifts), got {inp!r}")
         if isinstance(m_splits, tuple):
             m_splits = list(m_splits)
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):

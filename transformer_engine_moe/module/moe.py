@@ -162,6 +162,10 @@ class FP8FlowMoE(nn.Module):
                              f"{list(hidden.shape)}")
         if topk_ids.dim() != 2 or topk_ids.shape[1] != self.topk:
             raise ValueError(f"topk_ids must be [T, topk={self.topk}], got {list(topk_ids.shape)}")
+        device = self.linear_fc1.weight0.device
+        for name, t in (("hidden", hidden), ("topk_ids", topk_ids), ("topk_probs", topk_probs)):
+            if t.device != device:
+                raise ValueError(f"{name} is on {t.device}, the block's parameters on {device}: move one of them")
         res = self.dispatch(self.quantize(hidden), topk_ids, topk_probs.float())
         if self.recompute == "moe_expert":
             def experts(hidden, topk_ids, topk_probs):  # the rerun reuses the FP8 weights the forward cached
