@@ -5,11 +5,11 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-0.3.0
+STAMP := $(VENV)/.installed
 
 .PHONY: demo test
 
-$(STAMP): setup.py
+$(STAMP): setup.py Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0 triton==3.6.0 numpy pytest megatron-core==0.16.1 matplotlib psutil
 	$(PY) -m pip install -q --no-deps -e .

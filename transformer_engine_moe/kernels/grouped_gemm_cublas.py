@@ -2,7 +2,7 @@
 
 For splits already on the host (DeepEP returns them as a list): no sync, one
 launch per expert. Same signatures as ``kernels/grouped_gemm.py``; layouts
-(checked on an H100/H200 with torch 2.11, see ``../shared/NOTES.md``):
+(checked on an H100/H200 with torch 2.11, docs/grouped_gemm.md):
 
 - fprop ``A_e [m, K] @ W_e^T``: ``scale_a`` = the 1x128 scales as a column-major
   ``[m, K/128]``, ``b = W_e.t()``, ``scale_b = S_e.t()`` (128x128 scales).
