@@ -19,6 +19,7 @@ import torch
 
 from transformer_engine_moe.kernels import quantize as kq
 from transformer_engine_moe.kernels import swiglu as ks
+from transformer_engine_moe.reference import quantize as ref_quantize
 from transformer_engine_moe.reference import swiglu as ref
 
 import utils
@@ -57,7 +58,7 @@ def run(m: int, f: int, copy_tbps: float) -> list[ExperimentResult]:
     probs = torch.rand(m, device="cuda")
     dy = torch.randn(m, f, device="cuda", dtype=torch.bfloat16)
     q, s = ks.weighted_swiglu_quant(x, probs, FP8, True)
-    rq, rs = ref.quantize_nonfinite_1x128(ref.weighted_swiglu(x, probs), FP8)
+    rq, rs = ref_quantize.quantize_1x128(ref.weighted_swiglu(x, probs), FP8)
     assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
     t_fwd = utils.time_ms(lambda: ks.weighted_swiglu_quant(x, probs, FP8, True))
     t_fwd_unfused = utils.time_ms(lambda: unfused_forward(x, probs))

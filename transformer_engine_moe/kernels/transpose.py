@@ -89,7 +89,8 @@ def shift_fp8_down(code, d, E5M2: tl.constexpr, SOFTWARE_CAST: tl.constexpr):
 def _column_block_scales(s_ptr, rows, row_ok, kb, num_kb, count):
     """The block's column scale_inv (the largest row scale, NaN unless every valid row's is a power of two:
     a row marked non-finite by its quantizer (scale_inv NaN) or mislabelled; 1 for an unused block) and each
-    row's exponent shift ``d`` to it. A NaN block's codes are all written as NaN."""
+    row's exponent shift ``d`` to the largest biased exponent (255 when a row's scale is NaN: the block's
+    codes are then those shifts, meaningless under its NaN scale)."""
     bits = tl.load(s_ptr + rows * num_kb + kb, mask=row_ok, other=0.0).to(tl.int32, bitcast=True)
     exp = bits >> 23  # biased exponent; 2**-127 (bits 0x400000) -> 0
     # valid: a positive normal power of two, or 2**-127 (the subnormal an overflowed scale gives)
@@ -133,7 +134,6 @@ def _transpose_column_block(q_ptr, s_ptr, qt_ptr, st_ptr, b, start, count, first
         tl.store(st_ptr + b.to(tl.int64) * K + cols, tl.zeros([128], tl.float32) + s_col, mask=col_ok)
         code = tl.load(q_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0)
         out = tl.trans(shift_fp8_down(code, d[:, None], E5M2, SOFTWARE_CAST))
-        out = tl.where(s_col != s_col, tl.full(out.shape, 0x7F, tl.uint8), out)  # NaN block: NaN codes
         store_columnwise(qt_ptr, out, col_ok, cols, r, count, first, size, local, K)
 
 

@@ -60,7 +60,8 @@ def scaling_aware_transpose(
     """``data [M, K]`` FP8, ``scale_inv [M, ceil(K/128)]`` (powers of two) ->
     ``(data_t, scale_inv_t [num_column_blocks, K])``, ``data_t`` ``[K, M]`` or, grouped, expert-major ``[M*K]``
     (``layout.py``); unused trailing blocks get scale 1. A column block with a row scale of NaN (a row block
-    its quantizer marked non-finite) gets scale NaN and NaN codes: the non-finite value stays non-finite."""
+    its quantizer marked non-finite) gets scale NaN: the non-finite value stays non-finite (its codes are the
+    kernel's: shifts to the NaN's biased exponent 255)."""
     check_pow2_scales(scale_inv)
     m, k = data.shape
     nb = num_column_blocks(m, m_splits)
@@ -72,11 +73,12 @@ def scaling_aware_transpose(
     nan_col = torch.zeros_like(s_col).scatter_reduce_(0, idx, nan_row.float(), "amax") > 0
     used = torch.bincount(block, minlength=nb) > 0
     s_col = torch.where(used[:, None], s_col, torch.ones_like(s_col))
-    row_s = torch.where(nan_row, s_col[block], scale_inv)  # NaN rows: no shift (their codes become NaN)
-    d = torch.frexp(s_col[block])[1] - torch.frexp(row_s)[1]  # [M, nkb], exact for powers of two
-    d = d.repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
+    # shifts between biased exponents (exact for powers of two; 2**-127 -> 0, NaN -> 255, as the kernel)
+    exp = scale_inv.contiguous().view(torch.int32) >> 23
+    exp_col = torch.zeros(nb, scale_inv.shape[1], dtype=torch.int32, device=data.device)
+    exp_col.scatter_reduce_(0, idx, exp, "amax")
+    d = (exp_col[block] - exp).repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
     out = shift_fp8_down(data.view(torch.uint8).int(), d, data.dtype)
-    out = torch.where(nan_col[block].repeat_interleave(BLOCK_SIZE, dim=1)[:, :k], 0x7F, out)
     s_col = torch.where(nan_col, torch.full_like(s_col, float("nan")), s_col)
     data_t = to_columnwise(out.to(torch.uint8).view(data.dtype), m_splits)
     return data_t, s_col.repeat_interleave(BLOCK_SIZE, dim=1)[:, :k].contiguous()
