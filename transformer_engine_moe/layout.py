@@ -140,6 +140,13 @@ def m_splits_tensor(m_splits, device, dtype=torch.int64) -> torch.Tensor:
     return host.to(device, non_blocking=True)
 
 
+def group_of_row(sizes: torch.Tensor, m: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``[M]`` ``dtype``: the group each of the M rows belongs to, for group ``sizes`` (a device tensor
+    summing to M), without a host sync."""
+    return torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device, dtype=dtype), sizes,
+                                   output_size=m)
+
+
 def column_block_of_row(m: int, m_splits: MSplits, device) -> torch.Tensor:
     """int64 ``[M]``: the columnwise scale row (128x1 block) each data row belongs to.
 
@@ -152,7 +159,7 @@ def column_block_of_row(m: int, m_splits: MSplits, device) -> torch.Tensor:
     starts = torch.cumsum(sizes, 0) - sizes
     blocks = (sizes + BLOCK_SIZE - 1) // BLOCK_SIZE
     block_starts = torch.cumsum(blocks, 0) - blocks
-    group = torch.repeat_interleave(torch.arange(sizes.numel(), device=device), sizes, output_size=m)
+    group = group_of_row(sizes, m)
     return block_starts[group] + (rows - starts[group]) // BLOCK_SIZE
 
 
@@ -165,7 +172,7 @@ def columnwise_index(m: int, k: int, m_splits: MSplits, device) -> torch.Tensor:
     if m_splits is None:
         return cols[None, :] * m + rows[:, None]
     sizes = m_splits_tensor(m_splits, device)
-    group = torch.repeat_interleave(torch.arange(sizes.numel(), device=device), sizes, output_size=m)
+    group = group_of_row(sizes, m)
     first, size = (torch.cumsum(sizes, 0) - sizes)[group], sizes[group]
     return (k * first + rows - first)[:, None] + cols[None, :] * size[:, None]
 

@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from ..layout import m_splits_tensor
+from ..layout import check_on_device, group_of_row, m_splits_tensor
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,14 +79,13 @@ def supports_wgrad(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits) -> bool
     return a_dtype == b_dtype == torch.float8_e4m3fn and isinstance(m_splits, list) and _aligned(m_splits)
 
 
-def group_of_rows(m_splits, m: int, device) -> torch.Tensor:
+def _m_indices(m_splits, m: int, device) -> torch.Tensor:
     """int32 ``[M]``: the group of each row (DeepGEMM's ``m_indices``), without a host sync."""
     sizes = m_splits_tensor(m_splits, device)
     if isinstance(m_splits, torch.Tensor):
-        torch._assert_async((sizes % alignment() == 0).all(),
-                            f"deepgemm: every group's rows must be a multiple of {alignment()}")
-    groups = torch.arange(sizes.numel(), device=device, dtype=torch.int32)
-    return torch.repeat_interleave(groups, sizes, output_size=m)
+        check_on_device((sizes % alignment() == 0).all(),
+                        f"deepgemm: every group's rows must be a multiple of {alignment()}")
+    return group_of_row(sizes, m, torch.int32)
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
@@ -96,7 +95,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m:
         _module().m_grouped_fp8_gemm_nt_contiguous((a, a_scale_inv), (b, b_scale_inv), c,
-                                                   group_of_rows(m_splits, m, a.device))
+                                                   _m_indices(m_splits, m, a.device))
     return c
 
 

@@ -29,7 +29,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..layout import MSplits, m_splits_tensor
+from ..layout import MSplits, group_of_row, m_splits_tensor
 from ..ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
 from ..ops.quantize import quantize_grouped_weight
 from ..ops.transpose import scaling_aware_transpose
@@ -97,8 +97,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dy = module.quantizers[Role.GRAD](grad_out.contiguous())
         dgrad = None
         if ctx.needs_input_grad[0]:
-            weight_t = transpose_grouped_weight(weight, backend="reference" if module.backend == "reference"
-                                                else "auto")
+            weight_t = transpose_grouped_weight(weight, backend=module.weight_backend)
             dgrad = grouped_gemm(dy, weight_t, m_splits, out_dtype=grad_out.dtype, backend=module.backend)
             del weight_t
         del weight  # the wgrad output below need not coexist with the FP8 weights (peak memory)
@@ -128,9 +127,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
                                                    backend=module.backend).unbind(0))
         dbias = None
         if ctx.has_bias:
-            rows = torch.repeat_interleave(
-                torch.arange(len(ctx.weights), device=grad_out.device),
-                m_splits_tensor(m_splits, grad_out.device), output_size=grad_out.shape[0])
+            rows = group_of_row(m_splits_tensor(m_splits, grad_out.device), grad_out.shape[0])
             dbias = torch.zeros((len(ctx.weights), grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
             dbias = dbias.index_add_(0, rows, grad_out.float()).to(module.bias_dtype)
         return (dgrad, None, None, None, dbias, *dweights)
@@ -192,6 +189,12 @@ class GroupedLinear(nn.Module):
         self._cache = None
 
     @property
+    def weight_backend(self) -> str:
+        """The backend of the weights' quantization and transpose: the reference with ``backend="reference"``,
+        else ``"auto"`` (those ops have no cuBLAS or DeepGEMM form)."""
+        return "reference" if self.backend == "reference" else "auto"
+
+    @property
     def weights(self) -> list[nn.Parameter]:
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
 
@@ -212,8 +215,7 @@ class GroupedLinear(nn.Module):
         q = self.quantizers[Role.WEIGHT]
         with torch.no_grad():
             weight, _ = quantize_grouped_weight(self.weights, q.dtype, q.force_pow_2_scales, q.amax_epsilon,
-                                                transpose=False,
-                                                backend="reference" if self.backend == "reference" else "auto")
+                                                transpose=False, backend=self.weight_backend)
         self._cache = None if is_first_microbatch is None else weight
         return weight
 

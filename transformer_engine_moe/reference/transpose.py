@@ -67,19 +67,17 @@ def scaling_aware_transpose(
     nb = num_column_blocks(m, m_splits)
     block = column_block_of_row(m, m_splits, data.device)
     idx = block[:, None].expand_as(scale_inv)
-    nan_row = torch.isnan(scale_inv)
-    s_col = torch.zeros(nb, scale_inv.shape[1], device=data.device)
-    s_col.scatter_reduce_(0, idx, torch.where(nan_row, torch.zeros_like(scale_inv), scale_inv), "amax")
-    nan_col = torch.zeros_like(s_col).scatter_reduce_(0, idx, nan_row.float(), "amax") > 0
-    used = torch.bincount(block, minlength=nb) > 0
-    s_col = torch.where(used[:, None], s_col, torch.ones_like(s_col))
-    # shifts between biased exponents (exact for powers of two; 2**-127 -> 0, NaN -> 255, as the kernel)
-    exp = scale_inv.contiguous().view(torch.int32) >> 23
-    exp_col = torch.zeros(nb, scale_inv.shape[1], dtype=torch.int32, device=data.device)
-    exp_col.scatter_reduce_(0, idx, exp, "amax")
-    d = (exp_col[block] - exp).repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
+    # As the kernel, on the float32 bits: the largest bits are the largest scale (positive floats order as
+    # their bits), and shifts are differences of biased exponents (2**-127 -> 0, NaN -> 255).
+    bits = scale_inv.contiguous().view(torch.int32)
+    col_bits = torch.zeros(nb, scale_inv.shape[1], dtype=torch.int32, device=data.device)
+    col_bits.scatter_reduce_(0, idx, bits, "amax")
+    d = ((col_bits >> 23)[block] - (bits >> 23)).repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
     out = shift_fp8_down(data.view(torch.uint8).int(), d, data.dtype)
-    s_col = torch.where(nan_col, torch.full_like(s_col, float("nan")), s_col)
+    nan_col = torch.zeros(col_bits.shape, device=data.device).scatter_reduce_(
+        0, idx, torch.isnan(scale_inv).float(), "amax") > 0
+    used = (torch.bincount(block, minlength=nb) > 0)[:, None]
+    s_col = torch.where(nan_col, float("nan"), torch.where(used, col_bits.view(torch.float32), 1.0))
     data_t = to_columnwise(out.to(torch.uint8).view(data.dtype), m_splits)
     return data_t, s_col.repeat_interleave(BLOCK_SIZE, dim=1)[:, :k].contiguous()
 

@@ -441,12 +441,12 @@ def _column_pieces(t: Float8BlockwiseQTensor, m_splits) -> list[dict]:
             bounds[first + start] = blk
             blk += 1
         bounds[first + g] = blk
+    cut = ValueError(f"m_splits {list(m_splits)} cut through 128-row blocks{' or across groups' if grouped else ''}"
+                     f" of the columnwise copy (groups {list(groups)}); drop it with "
+                     "update_usage(columnwise_usage=False) first")
     pieces, lo = [], 0
     for size in m_splits:
         hi = lo + size
-        cut = ValueError(f"m_splits {list(m_splits)} cut through 128-row blocks{' or across groups' if grouped else ''}"
-                         f" of the columnwise copy (groups {list(groups)}); drop it with "
-                         "update_usage(columnwise_usage=False) first")
         if lo not in bounds or hi not in bounds:
             raise cut
         piece = dict(columnwise_scale_inv=t._columnwise_scale_inv[bounds[lo]:bounds[hi]], columnwise_m_splits=None)
