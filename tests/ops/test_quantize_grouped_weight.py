@@ -48,12 +48,15 @@ def test_one_expert_and_without_transpose():
     assert_same_fp8(w2, w)
 
 
-def test_weights_read_in_place_not_copied():
-    """Views into one buffer (as Megatron may hand them over) are read where they are."""
-    buf = torch.randn(4 * 128, 256, device=KERNEL_DEVICE).to(torch.bfloat16)
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "2-byte-offset"])
+def test_weights_read_in_place_not_copied(offset):
+    """Views into one buffer (as Megatron may hand them over) are read where they are, also at addresses
+    that are not 16-byte aligned (the kernel then drops its alignment hint)."""
+    flat = torch.randn(offset + 4 * 128 * 256, device=KERNEL_DEVICE).to(torch.bfloat16)
+    buf = flat[offset:].view(4 * 128, 256)
     views = list(buf.view(4, 128, 256).unbind(0))
     w, _ = quantize_grouped_weight(views, backend="triton")
-    assert_same_fp8(w, quantize_blockwise(buf, "128x128").view(4, 128, 256))
+    assert_same_fp8(w, quantize_blockwise(buf.clone(), "128x128").view(4, 128, 256))
 
 
 @pytest.mark.parametrize("bad, err, match", [
