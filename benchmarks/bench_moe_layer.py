@@ -14,9 +14,9 @@ step at 64 experts on an H200, in every block). Blocks, all with the same parame
 - ``fp8_flow`` and ``fp8_flow+moe_expert``: FP8-Flow, ``gemm_backend="auto"``.
 
 Reports step time, peak memory above the inputs, activation bytes kept for backward, and (``--profile``)
-where the FP8-Flow step's GPU time goes at 64 experts: GEMMs vs the rest, by kernel. Writes a PNG.
+where the FP8-Flow step's GPU time goes at the given expert counts: GEMMs vs the rest, by kernel. Writes a PNG.
 
-Run on a GPU: ``python benchmarks/bench_moe_layer.py [--experts 8 32 64 128] [--profile]``.
+Run on a GPU: ``python benchmarks/bench_moe_layer.py [--experts 8 32 64 128] [--profile 64 128]``.
 """
 
 from __future__ import annotations
@@ -126,13 +126,14 @@ def profile(experts: int) -> list[dict]:
         cats[next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")] += ms
     rows = [dict(what=f"category: {c}", ms=ms, share=ms / total) for c, ms in cats.most_common()]
     rows += [dict(what=name[:90], ms=ms, share=ms / total) for name, ms in per_kernel.most_common(25)]
-    return rows
+    return [dict(experts=experts, **r) for r in rows]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64, 128])
-    parser.add_argument("--profile", action="store_true", help="also profile the FP8-Flow step at 64 experts")
+    parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="EXPERTS",
+                        help="also profile the FP8-Flow step at these local expert counts (e.g. 64 128)")
     args = parser.parse_args()
     env = utils.environment()
     ceilings = {"copy_bandwidth_tbps (1 GiB, read+write)": utils.copy_bandwidth_tbps()}
@@ -151,9 +152,9 @@ def main():
     print(path.read_text())
     plot(rows, path.with_suffix(".png"))
     if args.profile:
-        prof = profile(64)
-        path = utils.write_results("bench_moe_layer_profile", "FP8-Flow block step at 64 experts: GPU time by "
-                                   "kernel", env, ceilings, prof, ["what", "ms", "share"],
+        prof = [r for e in args.profile for r in profile(e)]
+        path = utils.write_results("bench_moe_layer_profile", "FP8-Flow block step: GPU time by kernel", env,
+                                   ceilings, prof, ["experts", "what", "ms", "share"],
                                    notes="torch.profiler CUDA kernel time per step (5 steps averaged); the "
                                          "categories first, then the 25 largest kernels.")
         print(path.read_text())
