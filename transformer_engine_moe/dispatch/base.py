@@ -60,14 +60,15 @@ class DispatchResult:
     scale_inv ``[R, ceil(H/128)]``, bytes as sent) when the input was one, else BF16.
     ``topk_ids``: int64 ``[R, k]``, LOCAL expert ids in ``[0, E_local)``, -1 where the slot's expert
     lives on another rank (or was not selected). ``topk_probs``: float32 ``[R, k]``, 0 where -1.
-    ``tokens_per_expert``: host list of E_local ints, received slots per local expert.
+    ``tokens_per_expert``: received slots per local expert: a host list of E_local ints (an int64
+    device tensor ``[E_local]`` from ``LocalTokenDispatcher(host_counts=False)``).
     ``handle``: pass to ``combine``.
     """
 
     hidden: Hidden
     topk_ids: torch.Tensor
     topk_probs: torch.Tensor
-    tokens_per_expert: list[int]
+    tokens_per_expert: Union[list[int], torch.Tensor]
     handle: DispatchHandle
 
 

@@ -23,27 +23,31 @@ from .base import (
 class LocalTokenDispatcher(TokenDispatcher):
     """EP size 1: ``dispatch`` returns the input tokens themselves (FP8 stays the same tensor, no
     copy, no quantization anywhere), global ids are the local ids; ``combine`` returns ``x``.
-    Gradients pass through unchanged. Host sync: one device-to-host copy per dispatch, of
-    ``tokens_per_expert``. Sends no bytes.
+    Gradients pass through unchanged. Sends no bytes.
 
-    Args: ``num_experts``; ``ep_group`` must be None or of size 1.
+    Args: ``num_experts``; ``ep_group`` must be None or of size 1. ``host_counts``: True (default):
+    ``tokens_per_expert`` is a host list, one device-to-host copy (a host sync) per dispatch, so that
+    the block sizes its buffers exactly and may use the cuBLAS and DeepGEMM wgrad backends; False: it
+    stays an int64 device tensor ``[E]``: no host sync, CUDA-graph capturable.
     """
 
-    def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None, host_counts: bool = True):
         if ep_group is not None and dist.get_world_size(ep_group) != 1:
             raise ValueError(
                 f"the local dispatcher has no expert parallelism; got an ep_group of size "
                 f"{dist.get_world_size(ep_group)} (use 'alltoall' or 'deepep')"
             )
+        if not isinstance(host_counts, bool):
+            raise TypeError(f"host_counts must be a bool, got {host_counts!r}")
         super().__init__(num_experts, ep_size=1, ep_rank=0)
+        self.host_counts = host_counts
 
     def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> DispatchResult:
         check_dispatch_inputs(hidden, topk_ids, topk_probs, self.num_experts)
         handle = DispatchHandle(None, hidden.shape[0], hidden.shape[0], isinstance(hidden, Float8BlockwiseQTensor))
-        return DispatchResult(
-            hidden, topk_ids, mask_foreign_slots(topk_ids, topk_probs),
-            slots_per_expert(topk_ids, self.num_experts).tolist(), handle,
-        )
+        counts = slots_per_expert(topk_ids, self.num_experts)
+        return DispatchResult(hidden, topk_ids, mask_foreign_slots(topk_ids, topk_probs),
+                              counts.tolist() if self.host_counts else counts, handle)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         check_combine_input(x, handle)

@@ -12,6 +12,8 @@ FP8 data is stored through a ``uint8`` view of the output.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -269,6 +271,20 @@ def _quantize_grouped_weight_kernel(
     tl.store(s_ptr + (g * (N // 128) + pid_n) * (K // 128) + pid_k, scale_inv)
 
 
+@functools.lru_cache(maxsize=256)
+def _address_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int64 ``[G]`` device tensor of the weights' addresses, made once per set of addresses: the weights
+    stay where they are between steps (optimizers update them in place), so later steps, and a CUDA
+    graph capturing one, copy nothing from the host. Only the addresses are cached, and a table's content
+    is its key, so a reused address cannot make it stale."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("quantize_grouped_weight: these weights were not seen before the CUDA graph capture; "
+                           "run the step once eagerly first (as torch.cuda.graphs requires a warm-up), so the "
+                           "table of their addresses is on the GPU instead of a host copy captured in the graph")
+    table = torch.tensor(addresses, dtype=torch.int64)
+    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+
+
 def quantize_grouped_weight(
     weights,
     fp8_dtype: torch.dtype,
@@ -291,11 +307,10 @@ def quantize_grouped_weight(
     q = torch.empty((g, n, k), dtype=fp8_dtype, device=x0.device)
     s = torch.empty((g, n // BLOCK_SIZE, k // BLOCK_SIZE), dtype=torch.float32, device=x0.device)
     if q.numel():
-        addresses = [w.data_ptr() for w in weights]
-        ptrs = torch.tensor(addresses, dtype=torch.int64)
-        ptrs = ptrs.pin_memory().to(x0.device, non_blocking=True) if x0.is_cuda else ptrs
+        addresses = tuple(w.data_ptr() for w in weights)
         _quantize_grouped_weight_kernel[(k // BLOCK_SIZE, n // BLOCK_SIZE, g)](
-            ptrs, x0, q.view(torch.uint8), s, n, k, ALIGNED=all(a % 16 == 0 for a in addresses),
+            _address_table(addresses, x0.device), x0, q.view(torch.uint8), s, n, k,
+            ALIGNED=all(a % 16 == 0 for a in addresses),
             num_warps=num_warps or GROUPED_WEIGHT_WARPS,
             **_common_args(x0, fp8_dtype, pow2_scales, amax_epsilon, software_cast),
         )

@@ -19,6 +19,13 @@ its BF16 input and returns BF16, an unfused BF16 SwiGLU in between: the baseline
 backward and reruns ``experts`` there; nothing is re-dispatched. A forward called with
 ``is_first_microbatch=True`` caches its FP8 weights and the rerun reuses them; with None (no cache)
 the rerun quantizes the weights again.
+
+Host syncs: by default the dispatcher hands ``experts`` host counts per expert (one device-to-host
+copy per step): buffers are sized exactly and every GEMM backend may run. ``device_splits=True``
+(local dispatcher) keeps the counts on the device: permute writes a worst-case buffer, the GEMMs
+take device splits (``auto``: DeepGEMM fprop/dgrad where installed, Triton wgrad), and the block
+runs forward and backward without a host sync, so it can be captured in a CUDA graph and replayed
+with other routings (docs/moe.md, CUDA graphs).
 """
 
 from __future__ import annotations
@@ -68,6 +75,9 @@ class FP8FlowMoE(nn.Module):
             GEMMs and cuBLAS's wgrad need, docs/grouped_gemm.md).
         init_method, output_init_method: in-place initialisers of fc1's and fc2's weights (Megatron's
             ``config.init_method`` / ``output_layer_init_method``); default: as ``GroupedLinear``.
+        device_splits: keep the per-expert counts on the device (local dispatcher only): no host sync,
+            worst-case ``round_up(T*k + E*(align_size-1), align_size)`` permuted rows, the slack (zero
+            rows) counted in the last expert; CUDA-graph capturable. Default False: host counts.
     Parameters: ``linear_fc1.weight{i}`` ``[2F, H]`` (gate rows first, then up) and ``linear_fc2.weight{i}``
     ``[H, F]`` per local expert, as Megatron's TE grouped experts name them.
     """
@@ -76,7 +86,8 @@ class FP8FlowMoE(nn.Module):
                  ep_group: Optional[dist.ProcessGroup] = None, dispatcher: Optional[str] = None,
                  recipe: Optional[FP8FlowRecipe] = None, precision: str = "fp8_flow",
                  recompute: Optional[str] = None, align_size: int = 128, params_dtype=torch.bfloat16,
-                 device=None, gemm_backend: str = "auto", init_method=None, output_init_method=None):
+                 device=None, gemm_backend: str = "auto", init_method=None, output_init_method=None,
+                 device_splits: bool = False):
         super().__init__()
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -94,8 +105,15 @@ class FP8FlowMoE(nn.Module):
         self.precision, self.recompute, self.topk, self.align_size = precision, recompute, topk, align_size
         self.num_experts, self.num_local_experts = num_experts, num_experts // ep_size
         name = dispatcher or ("local" if ep_group is None else "alltoall")
+        if not isinstance(device_splits, bool):
+            raise TypeError(f"device_splits must be a bool, got {device_splits!r}")
+        if device_splits and name != "local":
+            raise ValueError(f"device_splits=True needs the 'local' dispatcher, got {name!r}: all-to-all and "
+                             "DeepEP size their receive buffers from host counts")
+        self.device_splits = device_splits
         self.dispatcher = get_dispatcher(name, ep_group, num_experts=num_experts,
-                                         **({} if name == "local" else {"recipe": self.recipe}))
+                                         **({"host_counts": not device_splits} if name == "local"
+                                            else {"recipe": self.recipe}))
         common = dict(params_dtype=params_dtype, device=device, recipe=self.recipe, backend=gemm_backend)
         self.linear_fc1 = GroupedLinear(self.num_local_experts, hidden_size, 2 * ffn_hidden_size,
                                         init_method=init_method, **common)
@@ -111,15 +129,12 @@ class FP8FlowMoE(nn.Module):
     def dispatch(self, hidden, topk_ids, topk_probs):
         return self.dispatcher.dispatch(hidden, topk_ids, topk_probs)
 
-    def experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert: list[int],
+    def experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert,
                 is_first_microbatch: Optional[bool] = None):
-        """Received ``hidden [R, H]`` (FP8 or BF16), local ``topk_ids``/``topk_probs [R, k]`` and the host
-        ``tokens_per_expert`` -> ``[R, H]`` BF16 (each token's prob-weighted sum over local experts)."""
-        a = self.align_size
-        padded = [-(-c // a) * a for c in tokens_per_expert]
-        routing_map, probs = topk_to_routing_map(topk_ids, topk_probs, self.num_local_experts)
-        x, probs, row_id_map, pad_offsets, _ = moe_permute_and_pad_with_probs(  # exactly sum(padded) rows
-            hidden, probs, routing_map, list(tokens_per_expert), a)
+        """Received ``hidden [R, H]`` (FP8 or BF16), local ``topk_ids``/``topk_probs [R, k]`` and
+        ``tokens_per_expert`` (host list, or device tensor: ``_permute``) -> ``[R, H]`` BF16 (each token's
+        prob-weighted sum over local experts)."""
+        x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert)
         if self.precision == "bf16":
             h = _bf16_grouped_linear(x, self.linear_fc1.weights, padded)
             act = weighted_swiglu(h, probs).to(h.dtype)
@@ -133,6 +148,24 @@ class FP8FlowMoE(nn.Module):
             act = weighted_swiglu_quant(h, probs, self.recipe)
             y = self.linear_fc2(act, padded, is_first_microbatch)
         return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets)
+
+    def _permute(self, hidden, topk_ids, topk_probs, tokens_per_expert):
+        """-> ``(x [M, H], probs [M], row_id_map, pad_offsets, m_splits)``, each expert's rows padded to
+        ``align_size``. Host counts: M is the padded total, ``m_splits`` a host list. A device tensor of
+        counts: M is the worst case ``round_up(R*k + E*(a-1), a)``, fixed by the shapes (a CUDA graph's
+        static buffer), and ``m_splits`` the padded counts on the device with the slack (zero rows,
+        multiples of ``a``) counted in the last expert, whose outputs nobody reads."""
+        a, e = self.align_size, self.num_local_experts
+        routing_map, probs = topk_to_routing_map(topk_ids, topk_probs, e)
+        if not isinstance(tokens_per_expert, torch.Tensor):
+            x, probs, row_id_map, pad_offsets, _ = moe_permute_and_pad_with_probs(
+                hidden, probs, routing_map, list(tokens_per_expert), a)
+            return x, probs, row_id_map, pad_offsets, [-(-c // a) * a for c in tokens_per_expert]
+        slack = e * (a - 1)
+        rows = -(-(topk_ids.numel() + slack) // a) * a
+        x, probs, row_id_map, pad_offsets, padded = moe_permute_and_pad_with_probs(
+            hidden, probs, routing_map, tokens_per_expert, a, num_out_tokens=rows - slack)
+        return x, probs, row_id_map, pad_offsets, torch.cat([padded[:-1], (rows - padded[:-1].sum()).view(1)])
 
     def combine(self, y: torch.Tensor, handle) -> torch.Tensor:
         return self.dispatcher.combine(y, handle)
