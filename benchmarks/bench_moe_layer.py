@@ -11,7 +11,12 @@ step at 64 experts on an H200, in every block). Blocks, all with the same parame
   ``torch._grouped_mm``, no padding); every speedup is over it, measured in the same run;
 - ``bf16_loop``: BF16 per-expert cuBLAS GEMMs (``FP8FlowMoE(precision="bf16")``);
 - ``blockwise_casts``: blockwise FP8 with BF16 between ops (TransformerEngine's Float8BlockScaling);
-- ``fp8_flow`` and ``fp8_flow+moe_expert``: FP8-Flow, ``gemm_backend="auto"``.
+- ``fp8_flow`` and ``fp8_flow+moe_expert``: FP8-Flow, ``gemm_backend="auto"``;
+- ``fp8_flow_triton``: FP8-Flow on the Triton GEMMs alone (host splits, eager);
+- ``fp8_flow_graph``: FP8-Flow with ``device_splits=True`` and the Triton GEMMs, forward + backward
+  captured in one CUDA graph, timed as replays (no host sync anywhere in the step);
+  ``fp8_flow_graph_auto``: the same with ``gemm_backend="auto"`` (DeepGEMM fprop/dgrad, Triton wgrad).
+  Their memory columns are of the same step run eagerly.
 
 Reports step time, peak memory above the inputs, activation bytes kept for backward, and (``--profile``)
 where the FP8-Flow step's GPU time goes at the given expert counts: GEMMs vs the rest, by kernel. Writes a PNG.
@@ -34,6 +39,11 @@ from baselines import BF16GroupedMMBlock
 TOKENS, HIDDEN, FFN, TOPK = 16384, 7168, 2048, 8
 FP8_BLOCKS = {"bf16_loop": ("bf16", None), "blockwise_casts": ("blockwise_casts", None),
               "fp8_flow": ("fp8_flow", None), "fp8_flow+moe_expert": ("fp8_flow", "moe_expert")}
+# FP8-Flow blocks of their own constructor arguments: the eager block on the Triton GEMMs alone, and the
+# block with device splits captured in one CUDA graph (Triton GEMMs; auto: DeepGEMM fprop/dgrad + Triton wgrad).
+OTHER_BLOCKS = {"fp8_flow_triton": dict(gemm_backend="triton"),
+                "fp8_flow_graph": dict(gemm_backend="triton", device_splits=True),
+                "fp8_flow_graph_auto": dict(device_splits=True)}
 # Kernel name fragments -> category, for the profile (first match wins).
 CATEGORIES = (("gemm", ("gemm", "sm90_xmma", "cutlass", "wgrad", "deep_gemm", "nvjet")),
               ("weight quantization + W^T", ("grouped_weight", "byte_transpose")),
@@ -69,11 +79,30 @@ def memory(model, x, ids, probs, dy, is_first_microbatch) -> tuple[float, int]:
     return peak, saved
 
 
-def measure(model, x, ids, probs, dy) -> dict:
+def graph_replay(fwd_bwd):
+    """``fwd_bwd`` captured in one CUDA graph (after a warm-up on a side stream, as torch.cuda.graphs
+    requires): ``(graph, its replay)``; keep the graph alive while replaying."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fwd_bwd()
+    return graph, graph.replay
+
+
+def measure(model, x, ids, probs, dy, graph: bool = False) -> dict:
+    """Step time (``graph``: of the step captured in a CUDA graph and replayed) and memory (always of the
+    step run eagerly)."""
     fwd_bwd = step_fn(model, x, ids, probs, dy)
     fwd_bwd()  # compile / JIT outside the timing
     torch.cuda.synchronize()
-    ms = utils.time_ms(fwd_bwd, 100, 1000)
+    captured, step = graph_replay(fwd_bwd) if graph else (None, fwd_bwd)
+    ms = utils.time_ms(step, 100, 1000)
+    del captured, step
     peak, saved = memory(model, x, ids, probs, dy, True)
     peak_uncached, _ = memory(model, x, ids, probs, dy, None)
     return dict(ms=ms, saved_gib=saved / 2**30, peak_gib=peak / 2**30, peak_uncached_gib=peak_uncached / 2**30)
@@ -97,6 +126,13 @@ def sweep_point(experts) -> list[dict]:
     for name, (precision, recompute) in FP8_BLOCKS.items():
         block.precision, block.recompute = precision, recompute
         res[name] = measure(block, x, ids, probs, dy)
+    del block
+    for name, kw in OTHER_BLOCKS.items():
+        torch.cuda.empty_cache()
+        torch.manual_seed(0)
+        other = FP8FlowMoE(experts, HIDDEN, FFN, TOPK, device="cuda", **kw)
+        res[name] = measure(other, x, ids, probs, dy, graph=kw.get("device_splits", False))
+        del other
     base = res["bf16_grouped_mm"]
     return [dict(experts=experts, rows_per_expert=TOKENS * TOPK // experts, block=name, **r,
                  speedup_over_bf16_grouped_mm=base["ms"] / r["ms"], peak_vs_bf16_grouped_mm=r["peak_gib"] / base[
@@ -148,7 +184,8 @@ def main():
                "allocation above the inputs and parameters during one forward+backward as timed "
                "(is_first_microbatch=True), from no gradients and no cached FP8 weights: the FP8 weight cache "
                "(one byte per parameter) and the gradients count. peak_uncached_gib: the same with "
-               "is_first_microbatch=None (no cache, as Megatron's --disable-parameter-transpose-cache)."))
+               "is_first_microbatch=None (no cache, as Megatron's --disable-parameter-transpose-cache). "
+               "fp8_flow_graph*: ms of CUDA-graph replays, memory of the same step run eagerly."))
     print(path.read_text())
     plot(rows, path.with_suffix(".png"))
     if args.profile:
