@@ -1,7 +1,8 @@
 """``dequantize_blockwise``: Float8BlockwiseQTensor -> high-precision tensor (what ``t.dequantize()`` runs).
 
-Rowwise 1x128 copies use the Triton kernel on the GPU; other layouts, and the
-CPU, use the reference. The gradient passes straight through.
+Rowwise 1x128 copies use the Triton kernel on the GPU; other layouts (``backend.TRITON`` holds the
+reference for them), float64 outputs, non-contiguous data and the CPU use the reference
+(``reference/dequantize.py``). The gradient passes straight through.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from typing import Optional
 
 import torch
 
+from ..backend import REFERENCE, Implementation, implementation
 from ..recipe import HIGH_PRECISION_DTYPES
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .backend import use_triton
 
 
 def dequantize_blockwise(
@@ -29,25 +30,17 @@ def dequantize_blockwise(
     if dtype not in HIGH_PRECISION_DTYPES + (torch.float64,):
         raise TypeError(f"dequantize dtype must be a floating dtype, got {dtype}")
     usage = t._check_usage(usage)
-    kernel = (
-        usage == "rowwise"
-        and not t.is_2D_scaled
-        and dtype != torch.float64
-        and t.rowwise_data.is_contiguous()
-        and use_triton(backend, t.rowwise_data, "dequantize_blockwise")
-    )
-    return _Dequantize.apply(t, dtype, usage, kernel)
+    impl = implementation(backend, t, "dequantize_blockwise")
+    if dtype == torch.float64 or (usage == "rowwise" and not t.rowwise_data.is_contiguous()):
+        impl = REFERENCE  # the 1x128 kernel writes bf16/fp16/fp32 from contiguous rows
+    return _Dequantize.apply(t, dtype, usage, impl)
 
 
 class _Dequantize(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, dtype, usage, kernel: bool):
+    def forward(ctx, t, dtype, usage, impl: Implementation):
         ctx.nominal_dtype = t.dtype
-        if kernel:
-            from ..kernels import dequantize as kd
-
-            return kd.dequantize_1x128(t.rowwise_data, t.rowwise_scale_inv, dtype).view(t.shape)
-        return t._dequantize_no_grad(dtype, usage)
+        return t._dequantize_no_grad(dtype, usage, impl)
 
     @staticmethod
     def backward(ctx, grad):

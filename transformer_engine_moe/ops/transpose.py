@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from ..backend import Implementation, implementation
 from ..layout import MSplits, check_m_splits
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .backend import implementation, use_triton
 
 
 def _check_input(t) -> None:
@@ -52,15 +52,14 @@ def scaling_aware_transpose(
     _check_input(t)
     m, k = t.rowwise_data.shape
     m_splits = check_m_splits(m_splits, m, device=t.device)
-    return _Transpose.apply(t, m_splits, use_triton(backend, t.rowwise_data, "scaling_aware_transpose"))
+    return _Transpose.apply(t, m_splits, implementation(backend, t.rowwise_data, "scaling_aware_transpose"))
 
 
 class _Transpose(torch.autograd.Function):
     """Adds a copy of the same values: the gradient passes straight through."""
 
     @staticmethod
-    def forward(ctx, t, m_splits, kernel: bool):
-        impl = implementation(kernel, "transpose")
+    def forward(ctx, t, m_splits, impl: Implementation):
         data_t, scale_t = impl.scaling_aware_transpose(t.rowwise_data, t.rowwise_scale_inv, m_splits)
         return t._make_like(columnwise_data=data_t, columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
 

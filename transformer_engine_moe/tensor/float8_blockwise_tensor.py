@@ -23,9 +23,9 @@ from typing import Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from ..backend import REFERENCE, Implementation
 from ..layout import MSplits, check_m_splits, columnwise_data_shape, compact_to_gemm_ready, num_column_blocks
 from ..recipe import BLOCK_SIZE, FP8_DTYPES, HIGH_PRECISION_DTYPES
-from ..reference.quantize import dequantize_128x1, dequantize_1x128, dequantize_128x128
 
 aten = torch.ops.aten
 
@@ -237,14 +237,16 @@ class Float8BlockwiseQTensor(torch.Tensor):
             raise ValueError(f"this Float8BlockwiseQTensor holds no {usage} data (usages={self.usages})")
         return usage
 
-    def _dequantize_no_grad(self, dtype: torch.dtype, usage: Optional[str] = None) -> torch.Tensor:
+    def _dequantize_no_grad(self, dtype: torch.dtype, usage: Optional[str] = None,
+                            impl: Implementation = REFERENCE) -> torch.Tensor:
+        """The ``usage`` copy dequantized by ``impl``'s launchers (``backend.py``), no autograd."""
         if self._check_usage(usage) == "rowwise":
-            dq = dequantize_128x128 if self._is_2D_scaled else dequantize_1x128
+            dq = impl.dequantize_128x128 if self._is_2D_scaled else impl.dequantize_1x128
             out = dq(self._rowwise_data, self._rowwise_scale_inv, dtype)
         elif self._is_2D_scaled:
-            out = dequantize_128x128(self._columnwise_data, self._columnwise_scale_inv, dtype).t()
+            out = impl.dequantize_128x128(self._columnwise_data, self._columnwise_scale_inv, dtype).t()
         else:
-            out = dequantize_128x1(
+            out = impl.dequantize_128x1(
                 self._columnwise_data, self._columnwise_scale_inv, dtype, self._columnwise_m_splits
             )
         return out.reshape(self.shape)
