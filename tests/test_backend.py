@@ -1,6 +1,6 @@
 """backend.py: the one table of raw-tensor launchers (same signatures per column), its resolution (once per
-call, kept on the autograd Function's ctx for backward), the layering it allows (dispatchers pick no kernels),
-the naming rule, and the one interpreter flag of the launchers."""
+call, kept on the autograd Function's ctx for backward), the layering it allows (dispatchers pick no kernels,
+the tensor imports no ops), the naming rule, and the one interpreter flag of the launchers."""
 
 import ast
 import dataclasses
@@ -103,6 +103,12 @@ def test_dispatchers_pick_no_kernels():
         imported = _imports(path)
         assert not {m for m in imported if m.split(".")[0] in ("backend", "kernels", "reference")}, path
         assert not {m for m in imported if m.rsplit(".", 1)[-1] in ("implementation", "use_triton")}, path
+
+
+def test_the_tensor_imports_no_ops():
+    """tensor/ sits below ops/: it reaches its launchers (dequantize, scaling-aware transpose) through the table."""
+    for path in (PACKAGE / "tensor").glob("*.py"):
+        assert not {m for m in _imports(path) if m.split(".")[0] in ("ops", "module", "dispatch")}, path
 
 
 def test_one_interpreter_flag():
