@@ -1,4 +1,10 @@
-"""BF16 MoE expert blocks that benchmarks measure FP8-Flow against (benchmark code, not product).
+"""MoE expert blocks that benchmarks (and tests) measure FP8-Flow against: benchmark code, not product.
+
+``BF16LoopMoE`` and ``BlockwiseCastsMoE`` are ``FP8FlowMoE`` with its ``quantize`` and ``experts``
+phases overridden (same parameters, dispatcher, routing and padding): BF16 tokens throughout, and either
+BF16 per-expert GEMMs (the reference block of the tests) or today's blockwise FP8 with casts
+(TransformerEngine's Float8BlockScaling with Megatron: each GEMM quantizes its BF16 input and returns
+BF16, an unfused BF16 SwiGLU in between), the baseline FP8-Flow removes.
 
 ``BF16GroupedMMBlock`` is the strongest BF16 block a user would pick instead of FP8-Flow, written as
 torchtitan writes its experts: weights stacked ``[E, 2F, H]`` (gate rows, then up) and ``[E, H, F]``,
@@ -9,9 +15,63 @@ tokens. Autograd differentiates it; nothing syncs with the host.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from transformer_engine_moe import FP8FlowMoE, moe_unpermute
+from transformer_engine_moe.reference.swiglu import weighted_swiglu
+
+
+class _BF16TokensMoE(FP8FlowMoE):
+    """``FP8FlowMoE`` whose tokens stay BF16: no ``quantize`` phase, BF16 dispatch and permute+pad; the
+    expert MLP between permute and unpermute is ``mlp``."""
+
+    @classmethod
+    def from_block(cls, block: FP8FlowMoE) -> "_BF16TokensMoE":
+        """This baseline over ``block``'s submodules, parameters, dispatcher and settings (shared, not copied:
+        no second copy of the weights in a benchmark; ``recompute`` may be set on it alone)."""
+        twin = cls.__new__(cls)
+        twin.__dict__.update(vars(block))
+        return twin
+
+    def quantize(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def experts(self, hidden, topk_ids, topk_probs, tokens_per_expert: list[int],
+                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """BF16 ``hidden [R, H]``, local ``topk_ids``/``topk_probs [R, k]``, host ``tokens_per_expert`` ->
+        ``[R, H]`` BF16, with ``FP8FlowMoE.experts``'s permute+pad and unpermute."""
+        x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert)
+        return moe_unpermute(self.mlp(x, probs, padded, is_first_microbatch), row_id_map, pad_offsets=pad_offsets)
+
+    def mlp(self, x: torch.Tensor, probs: torch.Tensor, padded: list[int], is_first_microbatch) -> torch.Tensor:
+        """Permuted BF16 rows ``x [P, H]``, their probs ``[P]``, rows per expert -> ``[P, H]`` BF16."""
+        raise NotImplementedError
+
+
+class BF16LoopMoE(_BF16TokensMoE):
+    """The BF16 block: one ``F.linear`` per expert, the reference SwiGLU in float32 rounded to BF16."""
+
+    def mlp(self, x, probs, padded, is_first_microbatch):
+        h = _per_expert_linear(x, self.linear_fc1.weights, padded)
+        return _per_expert_linear(weighted_swiglu(h, probs).to(h.dtype), self.linear_fc2.weights, padded)
+
+
+class BlockwiseCastsMoE(_BF16TokensMoE):
+    """Blockwise FP8 with casts: ``GroupedLinear`` quantizes each BF16 input and returns BF16; the SwiGLU
+    between them is unfused BF16."""
+
+    def mlp(self, x, probs, padded, is_first_microbatch):
+        h = self.linear_fc1(x, padded, is_first_microbatch)
+        return self.linear_fc2(weighted_swiglu(h, probs).to(h.dtype), padded, is_first_microbatch)
+
+
+def _per_expert_linear(x: torch.Tensor, weights, m_splits: list[int]) -> torch.Tensor:
+    """BF16 ``x[rows of g] @ weights[g]^T``."""
+    return torch.cat([F.linear(xi, w) for xi, w in zip(x.split(m_splits), weights)])
 
 
 class BF16GroupedMMBlock(nn.Module):

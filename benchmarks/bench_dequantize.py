@@ -15,7 +15,7 @@ import torch
 
 from transformer_engine_moe import quantize_blockwise
 from transformer_engine_moe.kernels import dequantize as kd
-from transformer_engine_moe.reference import quantize as ref
+from transformer_engine_moe.reference import dequantize as ref
 
 import utils
 

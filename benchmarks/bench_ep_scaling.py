@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from transformer_engine_moe import FP8FlowMoE, get_dispatcher, quantize_blockwise
 
 import utils
-from baselines import BF16GroupedMMEP
+from baselines import BF16GroupedMMEP, BF16LoopMoE
 
 GPU_SIZES = dict(hidden=7168, ffn=2048, experts=256, topk=8, dispatch_tokens=(4096, 16384), block_tokens=8192)
 CPU_SIZES = dict(hidden=256, ffn=128, experts=16, topk=4, dispatch_tokens=(64,), block_tokens=64)
@@ -113,9 +113,8 @@ def block_rows(backend, ep, device, z) -> list[dict]:
     ids, probs = routing(tokens, z["experts"], z["topk"], device)
     dy = torch.randn(tokens, z["hidden"], device=device, dtype=torch.bfloat16)
     rows = []
-    blocks = {"bf16_grouped_mm": BF16GroupedMMEP(fp8), "bf16_loop": fp8, "fp8_flow": fp8}
+    blocks = {"bf16_grouped_mm": BF16GroupedMMEP(fp8), "bf16_loop": BF16LoopMoE.from_block(fp8), "fp8_flow": fp8}
     for name, model in blocks.items():
-        fp8.precision = "bf16" if name == "bf16_loop" else "fp8_flow"
 
         def step():
             model.forward_topk(x, ids, probs).backward(dy)

@@ -9,8 +9,9 @@ step at 64 experts on an H200, in every block). Blocks, all with the same parame
 
 - ``bf16_grouped_mm``: the strongest BF16 block (``baselines.BF16GroupedMMBlock``: stacked weights,
   ``torch._grouped_mm``, no padding); every speedup is over it, measured in the same run;
-- ``bf16_loop``: BF16 per-expert cuBLAS GEMMs (``FP8FlowMoE(precision="bf16")``);
-- ``blockwise_casts``: blockwise FP8 with BF16 between ops (TransformerEngine's Float8BlockScaling);
+- ``bf16_loop``: BF16 per-expert cuBLAS GEMMs (``baselines.BF16LoopMoE``);
+- ``blockwise_casts``: blockwise FP8 with BF16 between ops (TransformerEngine's Float8BlockScaling,
+  ``baselines.BlockwiseCastsMoE``);
 - ``fp8_flow`` and ``fp8_flow+moe_expert``: FP8-Flow, ``gemm_backend="auto"``;
 - ``fp8_flow_triton``: FP8-Flow on the Triton GEMMs alone (host splits, eager);
 - ``fp8_flow_graph``: FP8-Flow with ``device_splits=True`` and the Triton GEMMs, forward + backward
@@ -31,14 +32,15 @@ import collections
 
 import torch
 
-from transformer_engine_moe.module import FP8FlowMoE, GroupedLinear, saved_activation_bytes
+from transformer_engine_moe.module import FP8FlowMoE, GroupedLinear
 
 import utils
-from baselines import BF16GroupedMMBlock
+from baselines import BF16GroupedMMBlock, BF16LoopMoE, BlockwiseCastsMoE
 
 TOKENS, HIDDEN, FFN, TOPK = 16384, 7168, 2048, 8
-FP8_BLOCKS = {"bf16_loop": ("bf16", None), "blockwise_casts": ("blockwise_casts", None),
-              "fp8_flow": ("fp8_flow", None), "fp8_flow+moe_expert": ("fp8_flow", "moe_expert")}
+# name -> (the block over the FP8-Flow block's parameters, recompute)
+BLOCKS = {"bf16_loop": (BF16LoopMoE.from_block, None), "blockwise_casts": (BlockwiseCastsMoE.from_block, None),
+          "fp8_flow": (lambda block: block, None), "fp8_flow+moe_expert": (lambda block: block, "moe_expert")}
 # FP8-Flow blocks of their own constructor arguments: the eager block on the Triton GEMMs alone, and the
 # block with device splits captured in one CUDA graph (Triton GEMMs; auto: DeepGEMM fprop/dgrad + Triton wgrad).
 OTHER_BLOCKS = {"fp8_flow_triton": dict(gemm_backend="triton"),
@@ -70,7 +72,7 @@ def memory(model, x, ids, probs, dy, is_first_microbatch) -> tuple[float, int]:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    saved, y = saved_activation_bytes(lambda: model.forward_topk(x, ids, probs, is_first_microbatch))
+    saved, y = utils.saved_activation_bytes(lambda: model.forward_topk(x, ids, probs, is_first_microbatch))
     y.backward(dy)
     del y
     peak = torch.cuda.max_memory_allocated() - base
@@ -123,10 +125,11 @@ def sweep_point(experts) -> list[dict]:
     res = {"bf16_grouped_mm": measure(baseline, x, ids, probs, dy)}
     del baseline
     torch.cuda.empty_cache()
-    for name, (precision, recompute) in FP8_BLOCKS.items():
-        block.precision, block.recompute = precision, recompute
-        res[name] = measure(block, x, ids, probs, dy)
-    del block
+    for name, (make, recompute) in BLOCKS.items():
+        model = make(block)
+        model.recompute = recompute
+        res[name] = measure(model, x, ids, probs, dy)
+    del block, model
     for name, kw in OTHER_BLOCKS.items():
         torch.cuda.empty_cache()
         torch.manual_seed(0)

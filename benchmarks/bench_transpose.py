@@ -22,7 +22,7 @@ from transformer_engine_moe.kernels import dequantize as kd
 from transformer_engine_moe.kernels import quantize as kq
 from transformer_engine_moe.kernels import transpose as kt
 from transformer_engine_moe.layout import num_column_blocks
-from transformer_engine_moe.reference import quantize as ref
+from transformer_engine_moe.reference import dequantize as ref
 
 import utils
 

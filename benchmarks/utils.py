@@ -1,4 +1,5 @@
-"""Shared scaffold for the microbenchmarks: timing, the copy-bandwidth ceiling, result files.
+"""Shared scaffold for the microbenchmarks: timing, the copy-bandwidth ceiling, saved-activation bytes,
+result files.
 
 Every benchmark measures its baselines in the same run, reports bytes/FLOPs
 over time against ceilings measured on the same device, and writes
@@ -16,6 +17,9 @@ import platform
 from typing import Callable, Sequence
 
 import torch
+from torch import nn
+
+from transformer_engine_moe import Float8BlockwiseQTensor
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -33,6 +37,30 @@ def copy_bandwidth_tbps(nbytes: int = 1 << 30) -> float:
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src))
     return 2 * nbytes / ms / 1e9
+
+
+def saved_activation_bytes(step: Callable[[], object]) -> tuple[int, object]:
+    """``(bytes, step())``: the bytes of the distinct storages autograd saves for backward while
+    ``step()`` runs forward (parameters excluded; a Float8BlockwiseQTensor counts its data and scales),
+    the activation memory a block keeps until its backward, and what ``step`` returned."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if not isinstance(t, nn.Parameter):
+            for s in _storages(t):
+                seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = step()
+    return sum(seen.values()), out
+
+
+def _storages(t: torch.Tensor) -> list:
+    if isinstance(t, Float8BlockwiseQTensor):  # its data and scales, not the wrapper
+        parts = (t.rowwise_data, t.rowwise_scale_inv, t.columnwise_data, t.columnwise_scale_inv)
+        return [p.untyped_storage() for p in parts if p is not None]
+    return [t.untyped_storage()]
 
 
 def start(description: str, sweep_help: str | None = None):

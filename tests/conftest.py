@@ -1,7 +1,8 @@
 """Test set-up: run Triton kernels in Triton's CPU interpreter when there is no GPU.
 
-``TRITON_INTERPRET`` must be set before any ``@triton.jit`` kernel is defined;
-the package imports its kernels lazily, so setting it here is early enough.
+``TRITON_INTERPRET`` must be set before any ``@triton.jit`` kernel is defined, i.e. before
+``transformer_engine_moe`` (whose ``backend.py`` imports the kernels) is imported: conftest runs
+before the test modules import it.
 """
 
 import os

@@ -1,4 +1,7 @@
-"""dequantize_blockwise: Triton kernel vs reference (bitwise, NaN/inf included), autograd, bad input."""
+"""dequantize_blockwise / t.dequantize: Triton kernel vs reference (bitwise, NaN/inf included), which launcher runs,
+autograd, bad input."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -54,3 +57,20 @@ def test_gpu_software_decode_equals_hardware(fp8):
     hw = kd.dequantize_1x128(t.rowwise_data, t.rowwise_scale_inv, torch.float32, software_cast=False)
     sw = kd.dequantize_1x128(t.rowwise_data, t.rowwise_scale_inv, torch.float32, software_cast=True)
     assert _same(hw, sw)
+
+
+def test_the_kernel_runs_where_it_can(monkeypatch):
+    """``t.dequantize`` / ``dequantize_blockwise`` take the table's 1x128 launcher for a contiguous rowwise
+    copy in bf16/fp16/fp32, and the reference for float64."""
+    from transformer_engine_moe import backend
+
+    calls = []
+    kernel = backend.TRITON.dequantize_1x128
+    monkeypatch.setattr(backend, "TRITON", dataclasses.replace(
+        backend.TRITON, dequantize_1x128=lambda *a: calls.append(a[2]) or kernel(*a)))
+    t = _every_code_tensor(torch.float8_e4m3fn, 4, 256)
+    assert _same(t.dequantize(torch.bfloat16, backend="triton"), dequantize_blockwise(t, torch.bfloat16))
+    assert torch.equal(t.dequantize(torch.float64, backend="triton").isnan(), t.dequantize().isnan())
+    assert calls == [torch.bfloat16]
+    with pytest.raises(ValueError, match=r"dequantize: backend must be one of .*got 'cuda'"):
+        t.dequantize(backend="cuda")

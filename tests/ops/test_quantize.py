@@ -10,6 +10,7 @@ import torch
 from conftest import KERNEL_DEVICE, assert_no_host_sync, requires_cuda, same_bits
 from transformer_engine_moe import Float8BlockQuantizer, FP8FlowRecipe, Format, Role, quantize_blockwise
 from transformer_engine_moe.kernels import quantize as kq
+from transformer_engine_moe.reference import dequantize as ref_dequantize
 from transformer_engine_moe.reference import quantize as ref
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -124,12 +125,12 @@ def test_dequantize_round_trip_within_half_an_fp8_step(fp8, block):
         data, sinv = getattr(q, f"{usage}_data"), getattr(q, f"{usage}_scale_inv")
         ones = torch.ones(data.shape)
         if block == "128x128":  # per-element scale_inv
-            scale_inv = ref.dequantize_128x128(ones, sinv, torch.float32)
+            scale_inv = ref_dequantize.dequantize_128x128(ones, sinv, torch.float32)
             scale_inv = scale_inv if usage == "rowwise" else scale_inv.t()
         elif usage == "rowwise":
-            scale_inv = ref.dequantize_1x128(ones, sinv, torch.float32)
+            scale_inv = ref_dequantize.dequantize_1x128(ones, sinv, torch.float32)
         else:
-            scale_inv = ref.dequantize_128x1(ones, sinv, torch.float32)
+            scale_inv = ref_dequantize.dequantize_128x1(ones, sinv, torch.float32)
         # half an ulp for normals, half the subnormal step (times scale_inv) below them
         bound = torch.maximum(x.abs() * 2.0 ** -(mbits + 1), scale_inv * 2.0 ** (-bias - mbits))
         assert ((y - x).abs() <= bound).all()

@@ -9,7 +9,8 @@ from transformer_engine_moe import Float8BlockwiseQTensor, quantize_blockwise, s
 from transformer_engine_moe.kernels import transpose as kt
 from transformer_engine_moe.layout import column_block_of_row
 from transformer_engine_moe.reference import transpose as ref
-from transformer_engine_moe.reference.quantize import cast_to_fp8, dequantize_128x1, dequantize_1x128
+from transformer_engine_moe.reference.dequantize import dequantize_128x1, dequantize_1x128
+from transformer_engine_moe.reference.quantize import cast_to_fp8
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 FP8_IDS = ["e4m3", "e5m2"]

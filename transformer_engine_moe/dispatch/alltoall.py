@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..ops.backend import implementation, use_triton
+from ..ops.permute import permute_rows, row_id_map_of, unpermute_rows
 from ..recipe import FP8FlowRecipe
 from .base import slots_per_expert
 from .exchange import ExchangeTokenDispatcher, Rows
@@ -24,12 +24,11 @@ from .exchange import ExchangeTokenDispatcher, Rows
 class AllToAllLayout:
     """``row_id_map``: int32 ``[T, 2G+1]``, the permute ops' map with the G ranks as experts (the
     send row of each (token, rank) pair); ``input_splits`` / ``output_splits``: host lists of rows
-    sent to / received from each rank; ``kernel``: the permute ops run their Triton kernels."""
+    sent to / received from each rank."""
 
     row_id_map: torch.Tensor
     input_splits: list[int]
     output_splits: list[int]
-    kernel: bool
 
 
 class AllToAllTokenDispatcher(ExchangeTokenDispatcher):
@@ -61,9 +60,7 @@ class AllToAllTokenDispatcher(ExchangeTokenDispatcher):
 
     def _send_rows(self, rows: Rows, layout: AllToAllLayout) -> Rows:
         """Permute ``rows`` of T tokens to the send layout and exchange them: ``[R, H]`` rows."""
-        data, scale_inv = implementation(layout.kernel, "permute").permute(
-            rows[0], layout.row_id_map, sum(layout.input_splits), None, None, rows[1]
-        )[::2]
+        data, scale_inv = permute_rows(rows[0], rows[1], layout.row_id_map, sum(layout.input_splits))
         return tuple(t if t is None else self._all_to_all(t, layout.output_splits, layout.input_splits)
                      for t in (data, scale_inv))
 
@@ -82,9 +79,8 @@ class AllToAllTokenDispatcher(ExchangeTokenDispatcher):
         host = torch.cat([counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0)]).tolist()
         input_splits, output_splits, tokens_per_expert = host[:g], host[g:2 * g], host[2 * g:]
 
-        kernel = use_triton("auto", topk_ids, "alltoall dispatch")
-        row_id_map = implementation(kernel, "permute").routing_layout(in_rank, 1)[0]
-        layout = AllToAllLayout(row_id_map, input_splits, output_splits, kernel)
+        row_id_map = row_id_map_of(in_rank)
+        layout = AllToAllLayout(row_id_map, input_splits, output_splits)
         recv_rows = self._send_rows(rows, layout)
         token = _send_row_tokens(row_id_map, sum(input_splits))
         recv_ids, recv_probs = (self._all_to_all(t[token], output_splits, input_splits) for t in (topk_ids, topk_probs))
@@ -98,11 +94,10 @@ class AllToAllTokenDispatcher(ExchangeTokenDispatcher):
         return self._send_rows(rows, layout)
 
     def _combine(self, x: torch.Tensor, layout: AllToAllLayout, probs: Optional[torch.Tensor] = None):
-        unpermute = implementation(layout.kernel, "permute").unpermute
         back = [self._all_to_all(t, layout.input_splits, layout.output_splits) if t is not None else None
                 for t in (x, probs)]
         self._record_combine(x.shape[0], x.shape[1], probs.shape[1] if probs is not None else 0)
-        return tuple(unpermute(t, layout.row_id_map) if t is not None else None for t in back)
+        return tuple(unpermute_rows(t, layout.row_id_map) if t is not None else None for t in back)
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:

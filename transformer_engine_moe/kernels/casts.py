@@ -5,14 +5,25 @@ wrong (checked with Triton 3.6): its float32 -> FP8 cast rounds ties away from
 zero, drops exponent carries (0.488 -> 0.25) and does not saturate; its FP8 ->
 float32 cast turns the E4M3 NaN into 480 and E5M2 infinities into finite
 values; its float32 -> bf16 cast truncates; its bf16 -> float32 cast mangles
-bf16 subnormals. Launchers set ``SOFTWARE_CAST`` for
-CPU tensors (only the interpreter runs kernels on them) and the same results
-come from integer arithmetic on the bits. GPU tests compare both paths bit for
-bit, so the interpreter-run CI checks the arithmetic the GPU executes.
+bf16 subnormals. Every launcher sets the constexpr ``SOFTWARE_CAST`` with
+``use_software_cast(t)``: True for CPU tensors (only the interpreter runs
+kernels on them), and the same results come from integer arithmetic on the
+bits. GPU tests compare both paths bit for bit, so the interpreter-run CI
+checks the arithmetic the GPU executes.
 """
 
+from typing import Optional
+
+import torch
 import triton
 import triton.language as tl
+
+
+def use_software_cast(t: torch.Tensor, forced: Optional[bool] = None) -> bool:
+    """The ``SOFTWARE_CAST`` flag of a launch on ``t``'s device: True for CPU tensors, which only Triton's
+    interpreter runs kernels on (the software conversions, and ``while`` loops where the interpreter cannot
+    ``range()`` over run-time values); ``forced`` overrides it (GPU tests run both paths bit for bit)."""
+    return (not t.is_cuda) if forced is None else forced
 
 
 @triton.jit

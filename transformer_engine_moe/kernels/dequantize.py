@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ..recipe import BLOCK_SIZE
-from .casts import cast_for_store, fp8_bits_to_float
+from .casts import cast_for_store, fp8_bits_to_float, use_software_cast
 
 # (BLOCK_M, num_warps), from benchmarks/bench_transpose.py's baseline sweep.
 DEQUANTIZE_CONFIG = (16, 4)
@@ -37,25 +37,25 @@ def _dequantize_1x128_kernel(
 
 
 def dequantize_1x128(
-    q: torch.Tensor,
+    data: torch.Tensor,
     scale_inv: torch.Tensor,
     dtype: torch.dtype,
     software_cast: bool | None = None,
     config: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """``q [M, K]`` FP8 (contiguous), ``scale_inv [M, ceil(K/128)]`` -> ``[M, K]`` in ``dtype``."""
-    m, k = q.shape
+    """``data [M, K]`` FP8 (contiguous), ``scale_inv [M, ceil(K/128)]`` -> ``[M, K]`` in ``dtype``."""
+    m, k = data.shape
     num_kb = triton.cdiv(k, BLOCK_SIZE)
-    y = torch.empty((m, k), dtype=dtype, device=q.device)
+    y = torch.empty((m, k), dtype=dtype, device=data.device)
     if m == 0:
         return y
     flat = k % BLOCK_SIZE == 0
     xm, xk, nkb = (m * num_kb, BLOCK_SIZE, 1) if flat else (m, k, num_kb)
     block_m, num_warps = config or DEQUANTIZE_CONFIG
     _dequantize_1x128_kernel[(triton.cdiv(xm, block_m), nkb)](
-        q.view(torch.uint8), scale_inv, y, xm, xk, nkb,
-        E5M2=q.dtype == torch.float8_e5m2,
-        SOFTWARE_CAST=(not q.is_cuda) if software_cast is None else software_cast,
+        data.view(torch.uint8), scale_inv, y, xm, xk, nkb,
+        E5M2=data.dtype == torch.float8_e5m2,
+        SOFTWARE_CAST=use_software_cast(data, software_cast),
         BLOCK_M=block_m, num_warps=num_warps,
     )
     return y

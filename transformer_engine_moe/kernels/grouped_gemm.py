@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ..layout import num_column_blocks
-from .casts import cast_for_store
+from .casts import cast_for_store, use_software_cast
 from .groups import column_block_rows, group_extent, group_sizes_arg
 
 # Launch shapes (BLOCK_N, GROUP_M, num_warps, num_stages), from benchmarks/bench_grouped_gemm.py's sweep.
@@ -95,7 +95,7 @@ def _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, size, first
 @triton.jit
 def _grouped_wgrad_kernel(
     at_ptr, ats_ptr, bt_ptr, bts_ptr, c_ptr, sizes_ptr, num_groups, N, K,
-    MAX_GROUPS: tl.constexpr, ACCUMULATE: tl.constexpr, INTERPRET: tl.constexpr,
+    MAX_GROUPS: tl.constexpr, ACCUMULATE: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     """One [BLOCK_N, BLOCK_K] tile of C_g [N, K] (float32; N % BLOCK_N == K % BLOCK_K == 0), reducing over
@@ -108,7 +108,7 @@ def _grouped_wgrad_kernel(
     k_rows = (pid // num_n) % num_k * BLOCK_K + tl.arange(0, BLOCK_K)
     first_row, size, first_block = group_extent(g, sizes_ptr, num_groups, MAX_GROUPS)
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
-    if INTERPRET:  # Triton's interpreter cannot range() over run-time values
+    if SOFTWARE_CAST:  # the interpreter: it cannot range() over run-time values
         j = 0
         while j * 128 < size:
             acc = _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, size, first_block,
@@ -129,7 +129,7 @@ def _grouped_wgrad_kernel(
     c = c_ptr + g.to(tl.int64) * N * K + n_rows.to(tl.int64)[:, None] * K + k_rows[None, :]
     if ACCUMULATE:
         acc += tl.load(c)
-    tl.store(c, cast_for_store(acc, c_ptr.dtype.element_ty, INTERPRET))  # the interpreter casts in software
+    tl.store(c, cast_for_store(acc, c_ptr.dtype.element_ty, SOFTWARE_CAST))
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
@@ -153,7 +153,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
     grid = (num_column_blocks(m, m_splits) * (n // block_n),)
     _grouped_gemm_kernel[grid](
         a, a_scale_inv, b, b_scale_inv, c, sizes, g, m, n, *strides,
-        R=r, GROUPED=grouped, MAX_GROUPS=max_groups, SOFTWARE_CAST=not a.is_cuda,
+        R=r, GROUPED=grouped, MAX_GROUPS=max_groups, SOFTWARE_CAST=use_software_cast(a),
         BLOCK_N=block_n, GROUP_M=group_m, NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
     )
     return c
@@ -175,7 +175,7 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     grid = (g * (n // block_n) * (k // block_k),)
     _grouped_wgrad_kernel[grid](
         a_t, a_t_scale_inv, b_t, b_t_scale_inv, out, sizes, g, n, k,
-        MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), INTERPRET=not a_t.is_cuda,
+        MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), SOFTWARE_CAST=use_software_cast(a_t),
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .casts import cast_for_store, to_float
+from .casts import cast_for_store, to_float, use_software_cast
 
 # (BLOCK_H in elements, num_warps), from benchmarks/bench_permute.py's sweep.
 PERMUTE_CONFIG = (2048, 4)
@@ -232,10 +232,6 @@ def _unpermute_backward_kernel(
     tl.store(dprobs_ptr + t * E + experts, dots, mask=slots < n)
 
 
-def _software(t: torch.Tensor) -> bool:
-    return not t.is_cuda  # only the interpreter runs kernels on CPU tensors
-
-
 def routing_layout(routing_map: torch.Tensor, align_size: int):
     """``routing_map [T, E]`` bool -> ``(row_id_map [T, 2E+1] int32, tokens_per_expert [E] int64,
     pad_offsets [E] int64, padded_tokens_per_expert [E] int64)``; four small launches, no host sync."""
@@ -319,7 +315,7 @@ def unpermute(x, row_id_map, merging_probs=None, pad_offsets=None, config=None):
             x, row_id_map, pad_offsets if pad_offsets is not None else dummy,
             merging_probs if merging_probs is not None else dummy, out, hsize, e,
             PADDED=pad_offsets is not None, HAS_PROBS=merging_probs is not None,
-            SOFTWARE_CAST=_software(x), BLOCK_H=block_h, num_warps=num_warps,
+            SOFTWARE_CAST=use_software_cast(x), BLOCK_H=block_h, num_warps=num_warps,
             enable_fp_fusion=False,  # one rounding per multiply and per add, as the reference
         )
     return out
@@ -337,7 +333,7 @@ def unpermute_backward(grad, x, row_id_map, merging_probs, capacity, pad_offsets
         dummy = grad.new_empty(0)
         _unpermute_backward_kernel[(t,)](
             grad, x, row_id_map, pad_offsets if pad_offsets is not None else dummy, merging_probs, dx, dprobs,
-            occupied, hsize, e, PADDED=pad_offsets is not None, SOFTWARE_CAST=_software(grad),
+            occupied, hsize, e, PADDED=pad_offsets is not None, SOFTWARE_CAST=use_software_cast(grad),
             E_PAD=triton.next_power_of_2(e), BLOCK_H=min(1024, triton.next_power_of_2(hsize)), num_warps=4,
             enable_fp_fusion=False,
         )

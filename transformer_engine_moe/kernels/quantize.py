@@ -20,7 +20,7 @@ import triton.language as tl
 
 from ..layout import columnwise_data_shape, num_column_blocks
 from ..recipe import BLOCK_SIZE, fp8_max, scale_value_for_inf
-from .casts import float_to_fp8_bits, to_float
+from .casts import float_to_fp8_bits, to_float, use_software_cast
 from .groups import column_block_rows, group_sizes_arg, store_columnwise
 
 # Launch shapes (BLOCK_M, K_BLOCKS, num_warps) from benchmarks/bench_quantize.py's sweep
@@ -151,8 +151,7 @@ def _quantize_128x128_kernel(
 
 def _common_args(x, fp8_dtype, pow2_scales, amax_epsilon, software_cast):
     return dict(
-        # CPU tensors only reach a kernel under the interpreter: round in software there.
-        SOFTWARE_CAST=(not x.is_cuda) if software_cast is None else software_cast,
+        SOFTWARE_CAST=use_software_cast(x, software_cast),
         eps=float(amax_epsilon),
         value_for_inf=scale_value_for_inf(x.dtype),
         FP8_MAX=fp8_max(fp8_dtype),
@@ -164,8 +163,8 @@ def _common_args(x, fp8_dtype, pow2_scales, amax_epsilon, software_cast):
 def quantize_1x128(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
-    pow2_scales: bool,
-    amax_epsilon: float,
+    pow2_scales: bool = True,
+    amax_epsilon: float = 0.0,
     software_cast: bool | None = None,
     config: tuple[int, int, int] | None = None,
 ):
@@ -198,8 +197,8 @@ def quantize_1x128(
 def quantize_128x1(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
-    pow2_scales: bool,
-    amax_epsilon: float,
+    pow2_scales: bool = True,
+    amax_epsilon: float = 0.0,
     m_splits=None,
     software_cast: bool | None = None,
     config: tuple[int, int] | None = None,
@@ -228,8 +227,8 @@ def quantize_128x1(
 def quantize_128x128(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
-    pow2_scales: bool,
-    amax_epsilon: float,
+    pow2_scales: bool = True,
+    amax_epsilon: float = 0.0,
     software_cast: bool | None = None,
 ):
     """Quantize 2-D ``x [M, K]`` in 128x128 blocks: ``(data [M, K], scale_inv [ceil(M/128), ceil(K/128)])``."""

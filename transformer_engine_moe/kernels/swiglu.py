@@ -15,7 +15,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..recipe import BLOCK_SIZE, fp8_max, scale_value_for_inf
-from .casts import cast_for_store, to_float
+from .casts import cast_for_store, to_float, use_software_cast
 from .quantize import quantize_1x128_tile
 
 # Launch shapes (BLOCK_M, K_BLOCKS, num_warps), from benchmarks/bench_swiglu.py's sweep.
@@ -111,7 +111,7 @@ def _common(x, fp8_dtype, pow2_scales):
     return dict(
         value_for_inf=scale_value_for_inf(torch.float32),
         FP8_MAX=fp8_max(fp8_dtype), E5M2=fp8_dtype == torch.float8_e5m2, POW2=bool(pow2_scales),
-        SOFTWARE_CAST=not x.is_cuda,  # only the interpreter runs kernels on CPU tensors
+        SOFTWARE_CAST=use_software_cast(x),
     )
 
 

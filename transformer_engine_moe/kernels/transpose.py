@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ..layout import columnwise_data_shape, num_column_blocks
 from ..recipe import BLOCK_SIZE
-from .casts import float_to_fp8_bits, fp8_bits_to_float
+from .casts import float_to_fp8_bits, fp8_bits_to_float, use_software_cast
 from .groups import column_block_rows, group_sizes_arg, store_columnwise
 
 # (KB_TILE: 128-column blocks per program, num_warps) from benchmarks/bench_transpose.py's sweep (H200): 70% of
@@ -138,31 +138,31 @@ def _transpose_column_block(q_ptr, s_ptr, qt_ptr, st_ptr, b, start, count, first
 
 
 def scaling_aware_transpose(
-    q: torch.Tensor,
+    data: torch.Tensor,
     scale_inv: torch.Tensor,
     m_splits=None,
     software_cast: bool | None = None,
     config: tuple[int, int] | None = None,
 ):
-    """``q [M, K]`` FP8 (contiguous), ``scale_inv [M, ceil(K/128)]`` -> ``(qt, scale_inv_t [num_column_blocks,
+    """``data [M, K]`` FP8 (contiguous), ``scale_inv [M, ceil(K/128)]`` -> ``(qt, scale_inv_t [num_column_blocks,
     K])``, ``qt`` ``[K, M]`` or, with ``m_splits`` (host list or device tensor of group sizes summing to M),
     expert-major ``[M*K]``.
 
     ``software_cast`` forces the integer re-encoding on or off (default: on for CPU
     tensors); ``config`` overrides ``(KB_TILE, num_warps)`` (benchmark sweeps).
     """
-    m, k = q.shape
+    m, k = data.shape
     nb, num_kb = num_column_blocks(m, m_splits), triton.cdiv(k, BLOCK_SIZE)
-    qt = torch.empty(columnwise_data_shape(m, k, m_splits), dtype=q.dtype, device=q.device)
-    st = torch.empty((nb, k), dtype=torch.float32, device=q.device)
+    qt = torch.empty(columnwise_data_shape(m, k, m_splits), dtype=data.dtype, device=data.device)
+    st = torch.empty((nb, k), dtype=torch.float32, device=data.device)
     if nb == 0 or k == 0:
         return qt, st
     kb_tile, num_warps = config or TRANSPOSE_CONFIG
-    sizes, g, grouped, max_groups = group_sizes_arg(m_splits, q.device)
+    sizes, g, grouped, max_groups = group_sizes_arg(m_splits, data.device)
     _scaling_aware_transpose_kernel[(nb, triton.cdiv(num_kb, kb_tile))](
-        q.view(torch.uint8), scale_inv, qt.view(torch.uint8), st, sizes, m, k, num_kb, g,
-        E5M2=q.dtype == torch.float8_e5m2,
-        SOFTWARE_CAST=(not q.is_cuda) if software_cast is None else software_cast,
+        data.view(torch.uint8), scale_inv, qt.view(torch.uint8), st, sizes, m, k, num_kb, g,
+        E5M2=data.dtype == torch.float8_e5m2,
+        SOFTWARE_CAST=use_software_cast(data, software_cast),
         GROUPED=grouped, MAX_GROUPS=max_groups, KB_TILE=kb_tile, num_warps=num_warps,
     )
     return qt, st

@@ -1,6 +1,6 @@
 """User-facing nn.Modules."""
 
 from .grouped_linear import GroupedLinear
-from .moe import FP8FlowMoE, saved_activation_bytes
+from .moe import FP8FlowMoE
 
-__all__ = ["FP8FlowMoE", "GroupedLinear", "saved_activation_bytes"]
+__all__ = ["FP8FlowMoE", "GroupedLinear"]

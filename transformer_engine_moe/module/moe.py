@@ -11,10 +11,8 @@ router stays outside, as in Megatron. Phases (methods named after them, so recom
    -> unpermute+unpad (BF16, cast 2 of 2: fc2's output);
 4. ``combine``: BF16 sum back to the tokens' positions.
 
-``precision="bf16"`` runs the same phases with the same parameters without quantization: the
-reference block of tests and benchmarks. ``precision="blockwise_casts"`` is today's blockwise FP8
-(TransformerEngine's Float8BlockScaling with Megatron): BF16 dispatch and permute, each GEMM quantizes
-its BF16 input and returns BF16, an unfused BF16 SwiGLU in between: the baseline FP8-Flow removes.
+The block does FP8-Flow only; the BF16 and blockwise-FP8-with-casts blocks that benchmarks and tests
+compare it with are subclasses overriding ``quantize`` and ``experts`` (``benchmarks/baselines.py``).
 ``recompute="moe_expert"`` keeps only the dispatched FP8 input (data, scales, probs, routing) for
 backward and reruns ``experts`` there; nothing is re-dispatched. A forward called with
 ``is_first_microbatch=True`` caches its FP8 weights and the rerun reuses them; with None (no cache)
@@ -34,7 +32,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from ..dispatch import get_dispatcher
@@ -46,17 +43,10 @@ from ..ops.permute import (
 )
 from ..ops.swiglu import weighted_swiglu_quant
 from ..recipe import FP8FlowRecipe, Role
-from ..reference.swiglu import weighted_swiglu
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from .grouped_linear import GroupedLinear
 
-PRECISIONS = ("fp8_flow", "bf16", "blockwise_casts")
 RECOMPUTE = (None, "moe_expert")
-
-
-def _bf16_grouped_linear(x: torch.Tensor, weights, m_splits: list[int]) -> torch.Tensor:
-    """BF16 ``x[rows of g] @ weights[g]^T`` (the reference block's experts)."""
-    return torch.cat([F.linear(xi, w) for xi, w in zip(x.split(m_splits), weights)])
 
 
 class FP8FlowMoE(nn.Module):
@@ -68,9 +58,7 @@ class FP8FlowMoE(nn.Module):
         ep_group: the expert-parallel process group (None: no EP).
         dispatcher: ``"local"``, ``"alltoall"`` or ``"deepep"`` (``dispatch.get_dispatcher``); None:
             ``"local"`` without an EP group, else ``"alltoall"``.
-        recipe: ``FP8FlowRecipe``; precision: ``"fp8_flow"``, ``"bf16"`` (reference) or
-            ``"blockwise_casts"`` (baseline);
-        recompute: None or ``"moe_expert"``.
+        recipe: ``FP8FlowRecipe``; recompute: None or ``"moe_expert"``.
         align_size: experts' rows padded to a multiple of this (128: the tile DeepGEMM's grouped
             GEMMs and cuBLAS's wgrad need, docs/grouped_gemm.md).
         init_method, output_init_method: in-place initialisers of fc1's and fc2's weights (Megatron's
@@ -84,13 +72,10 @@ class FP8FlowMoE(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, topk: int,
                  ep_group: Optional[dist.ProcessGroup] = None, dispatcher: Optional[str] = None,
-                 recipe: Optional[FP8FlowRecipe] = None, precision: str = "fp8_flow",
-                 recompute: Optional[str] = None, align_size: int = 128, params_dtype=torch.bfloat16,
-                 device=None, gemm_backend: str = "auto", init_method=None, output_init_method=None,
-                 device_splits: bool = False):
+                 recipe: Optional[FP8FlowRecipe] = None, recompute: Optional[str] = None, align_size: int = 128,
+                 params_dtype=torch.bfloat16, device=None, gemm_backend: str = "auto", init_method=None,
+                 output_init_method=None, device_splits: bool = False):
         super().__init__()
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be None or 'moe_expert', got {recompute!r}")
         if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size <= 0:
@@ -102,7 +87,7 @@ class FP8FlowMoE(nn.Module):
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by the EP group size {ep_size}")
         self.recipe = recipe or FP8FlowRecipe()
-        self.precision, self.recompute, self.topk, self.align_size = precision, recompute, topk, align_size
+        self.recompute, self.topk, self.align_size = recompute, topk, align_size
         self.num_experts, self.num_local_experts = num_experts, num_experts // ep_size
         name = dispatcher or ("local" if ep_group is None else "alltoall")
         if not isinstance(device_splits, bool):
@@ -121,9 +106,8 @@ class FP8FlowMoE(nn.Module):
                                         init_method=output_init_method or init_method, **common)
 
     # ------------------------------------------------------------------ phases
-    def quantize(self, hidden: torch.Tensor):
-        if self.precision != "fp8_flow":
-            return hidden
+    def quantize(self, hidden: torch.Tensor) -> Float8BlockwiseQTensor:
+        """``hidden [T, H]`` BF16 -> 1x128 FP8 (fc1's input quantizer: E4M3, power-of-two scales)."""
         return self.linear_fc1.quantizers[Role.INPUT](hidden)
 
     def dispatch(self, hidden, topk_ids, topk_probs):
@@ -131,22 +115,13 @@ class FP8FlowMoE(nn.Module):
 
     def experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert,
                 is_first_microbatch: Optional[bool] = None):
-        """Received ``hidden [R, H]`` (FP8 or BF16), local ``topk_ids``/``topk_probs [R, k]`` and
+        """Received ``hidden [R, H]`` (1x128 FP8), local ``topk_ids``/``topk_probs [R, k]`` and
         ``tokens_per_expert`` (host list, or device tensor: ``_permute``) -> ``[R, H]`` BF16 (each token's
         prob-weighted sum over local experts)."""
         x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert)
-        if self.precision == "bf16":
-            h = _bf16_grouped_linear(x, self.linear_fc1.weights, padded)
-            act = weighted_swiglu(h, probs).to(h.dtype)
-            y = _bf16_grouped_linear(act, self.linear_fc2.weights, padded)
-        elif self.precision == "blockwise_casts":
-            h = self.linear_fc1(x, padded, is_first_microbatch)
-            act = weighted_swiglu(h, probs).to(h.dtype)
-            y = self.linear_fc2(act, padded, is_first_microbatch)
-        else:
-            h = self.linear_fc1(x, padded, is_first_microbatch)
-            act = weighted_swiglu_quant(h, probs, self.recipe)
-            y = self.linear_fc2(act, padded, is_first_microbatch)
+        h = self.linear_fc1(x, padded, is_first_microbatch)
+        act = weighted_swiglu_quant(h, probs, self.recipe)
+        y = self.linear_fc2(act, padded, is_first_microbatch)
         return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets)
 
     def _permute(self, hidden, topk_ids, topk_probs, tokens_per_expert):
@@ -214,25 +189,3 @@ class FP8FlowMoE(nn.Module):
             y = self.experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert, is_first_microbatch)
         return self.combine(y, res.handle)
 
-
-def saved_activation_bytes(step) -> tuple[int, object]:
-    """``(bytes, step())``: the bytes of the distinct storages autograd saves for backward while
-    ``step()`` runs forward (parameters excluded), the activation memory a block keeps until its
-    backward, and what ``step`` returned."""
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        if not isinstance(t, nn.Parameter):
-            for s in _storages(t):
-                seen[s.data_ptr()] = s.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = step()
-    return sum(seen.values()), out
-
-
-def _storages(t: torch.Tensor):
-    if isinstance(t, Float8BlockwiseQTensor):
-        return [c.untyped_storage() for c in t._components().values() if isinstance(c, torch.Tensor)]
-    return [t.untyped_storage()]

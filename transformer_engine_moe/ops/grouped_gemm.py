@@ -2,7 +2,8 @@
 
 Operands are ``Float8BlockwiseQTensor``s: activations and gradients 1x128
 (rowwise COMPACT for fprop/dgrad, the grouped 128x1 columnwise copy for wgrad),
-weights 128x128 stacked as ``[G, N, K]``. Backends (one module each, same signatures):
+weights 128x128 stacked as ``[G, N, K]``. Backends (columns of ``backend.IMPLEMENTATIONS``, one module
+each, same signatures):
 
 - ``"deepgemm"`` (``kernels/grouped_gemm_deepgemm.py``, optional): DeepGEMM's grouped
   kernels, one launch per GEMM. E4M3 only, groups of multiples of 128 rows; fprop/dgrad
@@ -27,14 +28,14 @@ Alignment: K and N multiples of 128 (the weights' 128x128 blocks).
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Optional
 
 import torch
 
+from ..backend import IMPLEMENTATIONS, Implementation, implementation
+from ..kernels import grouped_gemm_cublas as cublas, grouped_gemm_deepgemm as deepgemm  # no Triton import
 from ..layout import MSplits, check_m_splits
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .backend import implementation, use_triton
 
 GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "triton", "reference")
 # "auto"'s preference on the GPU, per GEMM kind: the first backend that can run the call. Measured on an
@@ -54,8 +55,8 @@ CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_fp32": 1024}
 def _why_not(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reduction: int,
              out_dtype: torch.dtype, wgrad: bool) -> Optional[str]:
     """None if GPU ``backend`` can run this call, else the reason it cannot."""
-    from ..kernels import grouped_gemm_cublas as cublas, grouped_gemm_deepgemm as deepgemm  # no Triton import
-
+    if backend not in IMPLEMENTATIONS:
+        return "it needs Triton installed"
     if backend == "triton":
         return None
     if not a.is_cuda:
@@ -76,20 +77,17 @@ def _why_not(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, redu
 
 
 def _impl(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reduction: int, out_dtype,
-          op: str, wgrad: bool = False) -> ModuleType:
-    """The module running ``op`` (``a``: the first operand's FP8 data)."""
-    from ..kernels import grouped_gemm_cublas as cublas, grouped_gemm_deepgemm as deepgemm
-
+          op: str, wgrad: bool = False) -> Implementation:
+    """The implementation running ``op`` (``a``: the first operand's FP8 data)."""
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"{op}: backend must be one of {GEMM_BACKENDS}, got {backend!r}")
-    modules = {"deepgemm": deepgemm, "cublas": cublas}
-    if backend in modules:
+    if backend in ("deepgemm", "cublas"):
         if backend == "deepgemm" and deepgemm._module() is None:
             raise deepgemm.import_error()
         why = _why_not(backend, a, b_dtype, m_splits, reduction, out_dtype, wgrad)
         if why:
             raise ValueError(f"{op}: backend={backend!r} cannot run this call: {why}; use 'auto' or 'triton'")
-        return modules[backend]
+        return IMPLEMENTATIONS[backend]
     if backend == "auto" and a.is_cuda:
         kind = ("wgrad_fp32" if out_dtype == torch.float32 else "wgrad") if wgrad else "fprop"
         groups = len(m_splits) if isinstance(m_splits, list) else 0
@@ -97,8 +95,8 @@ def _impl(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reducti
             if name == "cublas" and groups and sum(m_splits) < CUBLAS_MIN_MEAN_ROWS[kind] * groups:
                 continue
             if _why_not(name, a, b_dtype, m_splits, reduction, out_dtype, wgrad) is None:
-                return modules.get(name) or implementation(True, "grouped_gemm")
-    return implementation(use_triton(backend, a, op), "grouped_gemm")
+                return IMPLEMENTATIONS[name]
+    return implementation(backend, a, op)
 
 
 def _check_act(t, name: str, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,8 +143,8 @@ def transpose_grouped_weight(weight: Float8BlockwiseQTensor, backend: str = "aut
     transpose on CUDA, reference elsewhere), ``"triton"`` or ``"reference"``."""
     data, scale = check_grouped_weight(weight)
     g, n, k = weight.shape
-    kernel = use_triton(backend, data, "transpose_grouped_weight")
-    data_t, scale_t = implementation(kernel, "transpose").transpose_128x128(data, scale)
+    impl = implementation(backend, data, "transpose_grouped_weight")
+    data_t, scale_t = impl.transpose_128x128(data, scale)
     return Float8BlockwiseQTensor(
         shape=(g, k, n), dtype=weight.dtype, fp8_dtype=weight.fp8_dtype, is_2D_scaled=True,
         pow2_scales=weight.pow2_scales, rowwise_data=data_t.view(g * k, n),

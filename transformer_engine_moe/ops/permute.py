@@ -14,10 +14,10 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..backend import Implementation, implementation
+from ..layout import check_on_device, m_splits_tensor
 from ..recipe import HIGH_PRECISION_DTYPES
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from ..layout import check_on_device, m_splits_tensor
-from .backend import implementation, use_triton
 
 
 def _check_inp(inp, name="inp") -> torch.Tensor:
@@ -95,10 +95,10 @@ def _check_map_rows(row_id_map: torch.Tensor, pad_offsets: Optional[torch.Tensor
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, probs, row_id_map, pad_offsets, capacity: int, kernel: bool):
+    def forward(ctx, inp, probs, row_id_map, pad_offsets, capacity: int, impl: Implementation):
         fp8 = isinstance(inp, Float8BlockwiseQTensor)
         x = inp.rowwise_data if fp8 else inp
-        out, out_probs, out_scale = implementation(kernel, "permute").permute(
+        out, out_probs, out_scale = impl.permute(
             x, row_id_map, capacity, pad_offsets, probs, inp.rowwise_scale_inv if fp8 else None
         )
         if fp8:
@@ -107,7 +107,7 @@ class _Permute(torch.autograd.Function):
                 rowwise_data=out, rowwise_scale_inv=out_scale,
             )
         ctx.save_for_backward(row_id_map, pad_offsets)
-        ctx.kernel = kernel
+        ctx.impl = impl
         ctx.probs_meta = (probs.shape, probs.dtype) if probs is not None else None
         ctx.mark_non_differentiable(row_id_map)
         return out, out_probs
@@ -117,7 +117,7 @@ class _Permute(torch.autograd.Function):
         row_id_map, pad_offsets = ctx.saved_tensors
         grad_inp = None
         if ctx.needs_input_grad[0]:
-            grad_inp = implementation(ctx.kernel, "permute").unpermute(
+            grad_inp = ctx.impl.unpermute(
                 grad_out.contiguous(), row_id_map, None, pad_offsets
             )
         grad_in_probs = None
@@ -137,17 +137,17 @@ class _Permute(torch.autograd.Function):
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, merging_probs, row_id_map, pad_offsets, kernel: bool):
-        out = implementation(kernel, "permute").unpermute(inp, row_id_map, merging_probs, pad_offsets)
+    def forward(ctx, inp, merging_probs, row_id_map, pad_offsets, impl: Implementation):
+        out = impl.unpermute(inp, row_id_map, merging_probs, pad_offsets)
         ctx.save_for_backward(inp if merging_probs is not None else None, merging_probs, row_id_map, pad_offsets)
-        ctx.kernel, ctx.capacity = kernel, inp.shape[0]
+        ctx.impl, ctx.capacity = impl, inp.shape[0]
         return out
 
     @staticmethod
     def backward(ctx, grad):
         inp, merging_probs, row_id_map, pad_offsets = ctx.saved_tensors
         grad = grad.contiguous()
-        impl = implementation(ctx.kernel, "permute")
+        impl = ctx.impl
         if merging_probs is None:
             dinp, _, _ = impl.permute(grad, row_id_map, ctx.capacity, pad_offsets, None, None)
             return dinp, None, None, None, None
@@ -163,9 +163,9 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
     probs = _check_probs(probs, (num_tokens, num_experts), x.device)
     _check_count(num_out_tokens, "num_out_tokens")
     host_counts = _check_tokens_per_expert(tokens_per_expert, num_experts)
-    kernel = use_triton(backend, x, op)
+    impl = implementation(backend, x, op)
     a = max(align_size or 1, 1)
-    row_id_map, counts, pad_offsets, padded = implementation(kernel, "permute").routing_layout(routing_map, a)
+    row_id_map, counts, pad_offsets, padded = impl.routing_layout(routing_map, a)
     if tokens_per_expert is not None:
         want = m_splits_tensor(host_counts, counts.device) if host_counts is not None else tokens_per_expert
         check_on_device((want.to(counts.device, torch.int64) == counts).all(),
@@ -181,7 +181,7 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
         capacity = num_out_tokens + (num_experts * (a - 1) if align_size is not None else 0)
     if align_size is None:
         pad_offsets = padded = None
-    out, out_probs = _Permute.apply(inp, probs, row_id_map, pad_offsets, capacity, kernel)
+    out, out_probs = _Permute.apply(inp, probs, row_id_map, pad_offsets, capacity, impl)
     return out, out_probs, row_id_map, pad_offsets, padded
 
 
@@ -286,8 +286,8 @@ def moe_unpermute(
                 f"restore_shape {list(restore_shape)} does not hold [num_tokens={num_tokens}, hidden={inp.shape[1]}]"
             )
     _check_map_rows(row_id_map, pad_offsets, inp.shape[0], "moe_unpermute")
-    kernel = use_triton(backend, inp, "moe_unpermute")
-    out = _Unpermute.apply(inp.contiguous(), merging_probs, row_id_map, pad_offsets, kernel)
+    impl = implementation(backend, inp, "moe_unpermute")
+    out = _Unpermute.apply(inp.contiguous(), merging_probs, row_id_map, pad_offsets, impl)
     return out.view(restore_shape) if restore_shape is not None else out
 
 
@@ -335,3 +335,25 @@ def routing_map_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: in
     selected = routing_map.gather(1, idx)
     weights = torch.where(selected, probs.gather(1, idx), torch.zeros((), dtype=probs.dtype, device=probs.device))
     return torch.where(selected, idx, torch.full_like(idx, -1)), weights.float()
+
+
+# ---------------------------------------------------------------- raw rows, for the token dispatchers
+def row_id_map_of(routing_map: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """``row_id_map [T, 2E+1]`` int32 of a ``[T, E]`` bool mask (no padding). No checks, no autograd: the
+    dispatchers' send layout, with the EP ranks as the "experts"."""
+    return implementation(backend, routing_map, "row_id_map_of").routing_layout(routing_map, 1)[0]
+
+
+def permute_rows(data: torch.Tensor, scale_inv: Optional[torch.Tensor], row_id_map: torch.Tensor, num_rows: int,
+                 *, backend: str = "auto") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Raw rows ``data [T, H]`` (FP8 bytes or BF16) and their ``scale_inv [T, S]`` (or None) to the
+    ``[num_rows, ...]`` layout of ``row_id_map`` (``row_id_map_of``). No checks, no autograd."""
+    out, _, out_scale = implementation(backend, data, "permute_rows").permute(
+        data, row_id_map, num_rows, None, None, scale_inv)
+    return out, out_scale
+
+
+def unpermute_rows(x: torch.Tensor, row_id_map: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Per token, the float32 sum of its rows of ``x`` in the layout of ``row_id_map``, cast to ``x``'s dtype:
+    ``[T, ...]``. No checks, no autograd."""
+    return implementation(backend, x, "unpermute_rows").unpermute(x, row_id_map)

@@ -12,10 +12,10 @@ from typing import Optional
 
 import torch
 
+from ..backend import Implementation, implementation
 from ..layout import MSplits, check_m_splits
 from ..recipe import BLOCKS, FP8_DTYPES, HIGH_PRECISION_DTYPES, check_amax_epsilon
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .backend import implementation, use_triton
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +69,8 @@ def check_quantize_input(x, name: str = "x") -> torch.Tensor:
         ) from None
 
 
-def quantize_2d(x2d: torch.Tensor, args: QuantizeArgs, m_splits: MSplits = None) -> dict:
-    """Quantize a checked ``[M, K]`` tensor; return the Float8BlockwiseQTensor components."""
-    impl = implementation(use_triton(args.backend, x2d, "quantize_blockwise"), "quantize")
+def quantize_2d(x2d: torch.Tensor, args: QuantizeArgs, m_splits: MSplits, impl: Implementation) -> dict:
+    """Quantize a checked ``[M, K]`` tensor with ``impl``; return the Float8BlockwiseQTensor components."""
     common = (args.fp8_dtype, args.pow2_scales, args.amax_epsilon)
     out = {}
     if args.block == "128x128":
@@ -92,19 +91,19 @@ def quantize_2d(x2d: torch.Tensor, args: QuantizeArgs, m_splits: MSplits = None)
 
 class _Quantize(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, args: QuantizeArgs, m_splits):
+    def forward(ctx, x, args: QuantizeArgs, m_splits, impl: Implementation):
         return Float8BlockwiseQTensor(
             shape=x.shape,
             dtype=x.dtype,
             fp8_dtype=args.fp8_dtype,
             is_2D_scaled=args.block == "128x128",
             pow2_scales=args.pow2_scales,
-            **quantize_2d(x.view(-1, x.shape[-1]), args, m_splits),
+            **quantize_2d(x.view(-1, x.shape[-1]), args, m_splits, impl),
         )
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None, None
+        return grad, None, None, None
 
 
 def quantize_blockwise(
@@ -137,7 +136,7 @@ def quantize_blockwise(
             (128x128: the transposed blocks, same scales).
         m_splits: groups of rows (experts) the 128x1 blocks restart at: a host
             list or a device int tensor (see ``layout.py``); 1x128 columnwise only.
-        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``ops.backend``).
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (see ``backend.py``).
 
     Returns a Float8BlockwiseQTensor of ``x``'s shape and nominal dtype; the
     gradient flows straight through to ``x``.
@@ -153,7 +152,7 @@ def quantize_with_args(x: torch.Tensor, args: QuantizeArgs, m_splits: MSplits = 
         if args.block != "1x128" or not args.columnwise:
             raise ValueError("m_splits groups the 128x1 columnwise blocks: needs block='1x128', columnwise=True")
         m_splits = check_m_splits(m_splits, x2d.shape[0], device=x2d.device)
-    return _Quantize.apply(x, args, m_splits)
+    return _Quantize.apply(x, args, m_splits, implementation(args.backend, x2d, "quantize_blockwise"))
 
 
 def quantize_grouped_weight(
@@ -190,7 +189,7 @@ def quantize_grouped_weight(
     n, k = w0.shape
     if n % 128 or k % 128 or n == 0 or k == 0:
         raise ValueError(f"weights must be [N, K] with N and K positive multiples of 128, got {list(w0.shape)}")
-    impl = implementation(use_triton(backend, w0, "quantize_grouped_weight"), "quantize")
+    impl = implementation(backend, w0, "quantize_grouped_weight")
     q, s, qt, st = impl.quantize_grouped_weight([w.detach() for w in weights], fp8_dtype, pow2_scales,
                                                  amax_epsilon, transpose)
     g = len(weights)

@@ -12,25 +12,18 @@ from typing import Optional
 
 import torch
 
+from ..backend import Implementation, implementation
 from ..recipe import BLOCK_SIZE, HIGH_PRECISION_DTYPES, FP8FlowRecipe, Role
-from ..reference import swiglu as ref
-from ..reference.quantize import quantize_1x128
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .backend import use_triton
 
 
 class _WeightedSwiGLUQuant(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, probs, recipe: FP8FlowRecipe, quantize_grad: bool, kernel: bool):
+    def forward(ctx, x, probs, recipe: FP8FlowRecipe, quantize_grad: bool, impl: Implementation):
         fp8_dtype = recipe.fp8_dtype(Role.INPUT)
-        if kernel:
-            from ..kernels import swiglu as ks
-
-            q, s = ks.weighted_swiglu_quant(x, probs, fp8_dtype, recipe.power_2_scales)
-        else:
-            q, s = quantize_1x128(ref.weighted_swiglu(x, probs), fp8_dtype, recipe.power_2_scales)
+        q, s = impl.weighted_swiglu_quant(x, probs, fp8_dtype, recipe.power_2_scales)
         ctx.save_for_backward(x, probs)
-        ctx.recipe, ctx.quantize_grad, ctx.kernel = recipe, quantize_grad, kernel
+        ctx.recipe, ctx.quantize_grad, ctx.impl = recipe, quantize_grad, impl
         return Float8BlockwiseQTensor(
             shape=q.shape, dtype=x.dtype, fp8_dtype=fp8_dtype, pow2_scales=recipe.power_2_scales,
             rowwise_data=q, rowwise_scale_inv=s,
@@ -42,16 +35,7 @@ class _WeightedSwiGLUQuant(torch.autograd.Function):
         recipe = ctx.recipe
         grad_fp8 = recipe.fp8_dtype(Role.GRAD) if ctx.quantize_grad else None
         dy = dy.contiguous()
-        if ctx.kernel:
-            from ..kernels import swiglu as ks
-
-            dx, dx_scale, dprobs = ks.weighted_swiglu_backward(dy, x, probs, grad_fp8, recipe.power_2_scales)
-        else:
-            dx32, dprobs = ref.weighted_swiglu_backward(dy, x, probs)
-            if grad_fp8 is not None:
-                dx, dx_scale = quantize_1x128(dx32, grad_fp8, recipe.power_2_scales)
-            else:
-                dx, dx_scale = dx32.to(x.dtype), None
+        dx, dx_scale, dprobs = ctx.impl.weighted_swiglu_backward(dy, x, probs, grad_fp8, recipe.power_2_scales)
         if grad_fp8 is not None:
             dx = Float8BlockwiseQTensor(
                 shape=x.shape, dtype=x.dtype, fp8_dtype=grad_fp8, pow2_scales=recipe.power_2_scales,
@@ -103,5 +87,5 @@ def weighted_swiglu_quant(
     recipe = FP8FlowRecipe() if recipe is None else recipe
     if not isinstance(recipe, FP8FlowRecipe):
         raise TypeError(f"recipe must be an FP8FlowRecipe, got {type(recipe).__name__}")
-    kernel = use_triton(backend, x, "weighted_swiglu_quant")
-    return _WeightedSwiGLUQuant.apply(x.contiguous(), probs, recipe, bool(quantize_grad), kernel)
+    impl = implementation(backend, x, "weighted_swiglu_quant")
+    return _WeightedSwiGLUQuant.apply(x.contiguous(), probs, recipe, bool(quantize_grad), impl)

@@ -10,23 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from ..backend import Implementation, implementation
 from ..layout import MSplits, check_m_splits
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .backend import implementation, use_triton
-
-
-def _check_input(t) -> None:
-    if not isinstance(t, Float8BlockwiseQTensor):
-        raise TypeError(f"t must be a Float8BlockwiseQTensor, got {type(t).__name__}")
-    if t.is_2D_scaled:
-        raise ValueError("t is 128x128-scaled: its columnwise copy is a plain transpose (update_usage)")
-    if t.rowwise_data is None:
-        raise ValueError("t has no rowwise data to transpose")
-    if not t.pow2_scales:
-        raise ValueError(
-            "t's scales are not powers of two (quantized with pow2_scales=False); the scaling-aware "
-            "transpose shifts exponents and would need a real requantization"
-        )
 
 
 def scaling_aware_transpose(
@@ -49,20 +35,20 @@ def scaling_aware_transpose(
     mislabelled as power-of-two gets NaN scales in the blocks it spoils (the
     reference raises ``ValueError``).
     """
-    _check_input(t)
+    if not isinstance(t, Float8BlockwiseQTensor):
+        raise TypeError(f"t must be a Float8BlockwiseQTensor, got {type(t).__name__}")
+    t._check_transposable()
     m, k = t.rowwise_data.shape
     m_splits = check_m_splits(m_splits, m, device=t.device)
-    return _Transpose.apply(t, m_splits, use_triton(backend, t.rowwise_data, "scaling_aware_transpose"))
+    return _Transpose.apply(t, m_splits, implementation(backend, t.rowwise_data, "scaling_aware_transpose"))
 
 
 class _Transpose(torch.autograd.Function):
     """Adds a copy of the same values: the gradient passes straight through."""
 
     @staticmethod
-    def forward(ctx, t, m_splits, kernel: bool):
-        impl = implementation(kernel, "transpose")
-        data_t, scale_t = impl.scaling_aware_transpose(t.rowwise_data, t.rowwise_scale_inv, m_splits)
-        return t._make_like(columnwise_data=data_t, columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
+    def forward(ctx, t, m_splits, impl: Implementation):
+        return t._make_like(**t._scaling_aware_transpose(m_splits, impl))
 
     @staticmethod
     def backward(ctx, grad):

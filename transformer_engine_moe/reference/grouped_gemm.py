@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantize import dequantize_1x128, dequantize_128x1, dequantize_128x128
+from .dequantize import dequantize_1x128, dequantize_128x1, dequantize_128x128
 
 
 def _ranges(m_splits, m: int) -> list[tuple[int, int]]:

@@ -65,22 +65,22 @@ def _pairs(row_id_map: torch.Tensor, pad_offsets: Optional[torch.Tensor]):
 
 
 def permute(
-    inp: torch.Tensor,
+    x: torch.Tensor,
     row_id_map: torch.Tensor,
     capacity: int,
     pad_offsets: Optional[torch.Tensor] = None,
     probs: Optional[torch.Tensor] = None,
     scale_inv: Optional[torch.Tensor] = None,
 ):
-    """Move rows of ``inp [T, H]`` (any dtype, FP8 included: bytes are copied) to their expert-major
+    """Move rows of ``x [T, H]`` (any dtype, FP8 included: bytes are copied) to their expert-major
     rows of a ``[capacity, H]`` output; ``scale_inv [T, S]`` rows and ``probs [T, E]`` entries move
     with them. Returns ``(out, out_probs or None, out_scale_inv or None)``."""
     token, expert, final = _pairs(row_id_map, pad_offsets)
-    out = torch.zeros((capacity, inp.shape[1]), dtype=inp.dtype, device=inp.device)
-    if inp.dtype.itemsize == 1 and inp.is_floating_point():  # FP8: move the bytes
-        out.view(torch.uint8)[final] = inp.view(torch.uint8)[token]
+    out = torch.zeros((capacity, x.shape[1]), dtype=x.dtype, device=x.device)
+    if x.dtype.itemsize == 1 and x.is_floating_point():  # FP8: move the bytes
+        out.view(torch.uint8)[final] = x.view(torch.uint8)[token]
     else:
-        out[final] = inp[token]
+        out[final] = x[token]
     out_probs = out_scale = None
     if probs is not None:
         out_probs = torch.zeros(capacity, dtype=probs.dtype, device=probs.device)
@@ -92,17 +92,17 @@ def permute(
 
 
 def unpermute(
-    inp: torch.Tensor,
+    x: torch.Tensor,
     row_id_map: torch.Tensor,
     merging_probs: Optional[torch.Tensor] = None,
     pad_offsets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``out[t] = sum_e merging_probs[t, e] * inp[row(t, e)]`` over t's routed experts (no probs:
-    plain sum), float32 accumulation in ascending expert order, cast to ``inp``'s dtype. ``[T, H]``."""
+    """``out[t] = sum_e merging_probs[t, e] * x[row(t, e)]`` over t's routed experts (no probs:
+    plain sum), float32 accumulation in ascending expert order, cast to ``x``'s dtype. ``[T, H]``."""
     t_count, e = row_id_map.shape[0], (row_id_map.shape[1] - 1) // 2
     rows, experts = row_id_map[:, :e].long(), row_id_map[:, e : 2 * e].long()
-    acc = torch.zeros((t_count, inp.shape[1]), dtype=torch.float32, device=inp.device)
-    tokens = torch.arange(t_count, device=inp.device)
+    acc = torch.zeros((t_count, x.shape[1]), dtype=torch.float32, device=x.device)
+    tokens = torch.arange(t_count, device=x.device)
     for j in range(e):  # slot j: the j-th routed expert of every token
         valid = rows[:, j] >= 0
         if not bool(valid.any()):
@@ -110,16 +110,16 @@ def unpermute(
         final = rows[:, j].clamp(min=0)
         if pad_offsets is not None:
             final = final + pad_offsets[experts[:, j].clamp(min=0)]
-        term = inp[final].float()
+        term = x[final].float()
         if merging_probs is not None:
             term = term * merging_probs[tokens, experts[:, j].clamp(min=0)].float()[:, None]
         acc = torch.where(valid[:, None], acc + term, acc)
-    return acc.to(inp.dtype)
+    return acc.to(x.dtype)
 
 
 def unpermute_backward(
     grad: torch.Tensor,
-    inp: torch.Tensor,
+    x: torch.Tensor,
     row_id_map: torch.Tensor,
     merging_probs: torch.Tensor,
     capacity: int,
@@ -127,11 +127,11 @@ def unpermute_backward(
 ):
     """Gradients of ``unpermute`` with merging probs: ``dinp [capacity, H]`` (``grad[t] * p[t, e]``
     at row(t, e), cast to ``grad``'s dtype; zeros elsewhere) and ``dprobs [T, E]``
-    (``sum_h inp[row(t, e), h] * grad[t, h]`` in float32, 0 where not routed)."""
+    (``sum_h x[row(t, e), h] * grad[t, h]`` in float32, 0 where not routed)."""
     token, expert, final = _pairs(row_id_map, pad_offsets)
     dinp = torch.zeros((capacity, grad.shape[1]), dtype=grad.dtype, device=grad.device)
     p = merging_probs[token, expert].float()
     dinp[final] = (grad[token].float() * p[:, None]).to(grad.dtype)
     dprobs = torch.zeros(merging_probs.shape, dtype=torch.float32, device=grad.device)
-    dprobs[token, expert] = (inp[final].float() * grad[token].float()).sum(1)
+    dprobs[token, expert] = (x[final].float() * grad[token].float()).sum(1)
     return dinp, dprobs.to(merging_probs.dtype)

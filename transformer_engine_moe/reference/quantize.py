@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..recipe import BLOCK_SIZE, fp8_max, scale_value_for_inf
-from ..layout import MSplits, column_block_of_row, from_columnwise, num_column_blocks, to_columnwise
+from ..layout import MSplits, column_block_of_row, num_column_blocks, to_columnwise
 
 FP8_NAN_BITS = 0x7F
 """The byte every NaN is written as, in both E4M3 and E5M2 (canonical NaN)."""
@@ -145,31 +145,6 @@ def quantize_128x128(
     scale_full = scale.repeat_interleave(BLOCK_SIZE, 0).repeat_interleave(BLOCK_SIZE, 1)
     data = cast_to_fp8(x.float() * scale_full[:m, :k], fp8_dtype)
     return data, scale_inv_of(scale, amax)
-
-
-def dequantize_1x128(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``data [M, K]`` FP8 times ``scale_inv [M, ceil(K/128)]`` in float32, cast to ``dtype``."""
-    k = data.shape[1]
-    s = scale_inv.repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
-    return (data.float() * s).to(dtype)
-
-
-def dequantize_128x1(
-    data_t: torch.Tensor, scale_inv_t: torch.Tensor, dtype: torch.dtype, m_splits: MSplits = None
-) -> torch.Tensor:
-    """Columnwise ``data_t`` (``[K, M]``, grouped: expert-major ``[M*K]``) with ``scale_inv_t
-    [num_column_blocks, K]`` -> logical ``[M, K]``."""
-    k = scale_inv_t.shape[1]
-    m = data_t.shape[1] if data_t.dim() == 2 else data_t.numel() // k
-    block = column_block_of_row(m, m_splits, data_t.device)
-    return (from_columnwise(data_t, m, k, m_splits).float() * scale_inv_t[block]).to(dtype)
-
-
-def dequantize_128x128(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``data [M, K]`` FP8 times ``scale_inv [ceil(M/128), ceil(K/128)]``, cast to ``dtype``."""
-    m, k = data.shape
-    s = scale_inv.repeat_interleave(BLOCK_SIZE, 0).repeat_interleave(BLOCK_SIZE, 1)[:m, :k]
-    return (data.float() * s).to(dtype)
 
 
 def quantize_grouped_weight(

@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from .quantize import quantize_1x128
 
 LOG2E = 1.4426950408889634  # used as float32, in the kernels too
 
@@ -44,8 +45,8 @@ def weighted_swiglu(x: torch.Tensor, probs: Optional[torch.Tensor] = None) -> to
     return y * probs.float()[:, None] if probs is not None else y
 
 
-def weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: Optional[torch.Tensor] = None):
-    """``(dx [M, 2F] float32, dprobs [M] float32 or None)``."""
+def weighted_swiglu_grad(dy: torch.Tensor, x: torch.Tensor, probs: Optional[torch.Tensor] = None):
+    """``(dx [M, 2F] float32, dprobs [M] float32 or None)`` (see the module doc for the arithmetic)."""
     a, b = _halves(x)
     s = 1.0 / (1.0 + torch.exp2(-a * LOG2E))
     silu = a * s
@@ -56,3 +57,22 @@ def weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: Optional[
         dprobs = ((g * silu) * b).sum(1)
         g = g * probs.float()[:, None]
     return torch.cat([(g * b) * dsilu, g * silu], dim=1), dprobs
+
+
+def weighted_swiglu_quant(x: torch.Tensor, probs: Optional[torch.Tensor], fp8_dtype: torch.dtype,
+                          pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """As the kernel: ``x [M, 2F]``, ``probs [M]`` or None -> ``(q [M, F] FP8, scale_inv [M, F/128])``,
+    ``quantize_1x128`` of ``weighted_swiglu``."""
+    return quantize_1x128(weighted_swiglu(x, probs), fp8_dtype, pow2_scales)
+
+
+def weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: Optional[torch.Tensor],
+                             grad_fp8_dtype: Optional[torch.dtype] = None, pow2_scales: bool = True):
+    """As the kernel: ``dy [M, F]``, ``x [M, 2F]``, ``probs [M]`` or None -> ``(dx, dx_scale_inv, dprobs)``:
+    ``dx [M, 2F]`` in ``x``'s dtype (``dx_scale_inv`` None), or FP8 1x128 in ``grad_fp8_dtype`` with
+    ``[M, 2F/128]`` scales (``quantize_1x128`` of ``weighted_swiglu_grad``'s float32 ``dx``); dprobs
+    float32 ``[M]`` or None."""
+    dx, dprobs = weighted_swiglu_grad(dy, x, probs)
+    if grad_fp8_dtype is None:
+        return dx.to(x.dtype), None, dprobs
+    return (*quantize_1x128(dx, grad_fp8_dtype, pow2_scales), dprobs)

@@ -27,7 +27,8 @@ import torch
 
 from ..layout import MSplits, column_block_of_row, num_column_blocks, to_columnwise
 from ..recipe import BLOCK_SIZE
-from .quantize import dequantize_1x128, quantize_128x1
+from .dequantize import dequantize_1x128
+from .quantize import quantize_128x1
 
 def shift_fp8_down(code: torch.Tensor, d: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """int32 FP8 codes times ``2**-d`` (``d >= 0``), re-encoded with round-to-nearest-even."""

@@ -10,9 +10,10 @@ zero-copy view of data and scales.
 
 Ops that do not know the type see its dequantized value (``__torch_dispatch__``
 fallback); in-place writes into it are refused. ``dequantize()``, ``view``,
-``reshape`` and ``split`` are autograd functions with straight-through
-gradients, so a loss on a dequantized output reaches whatever produced the FP8
-tensor.
+``reshape`` and ``split`` (``views.py``) are autograd functions with
+straight-through gradients, so a loss on a dequantized output reaches whatever
+produced the FP8 tensor. This module imports no ``ops/``: its launchers come
+from ``backend.py``'s table.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from typing import Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from ..backend import REFERENCE, Implementation, implementation
 from ..layout import MSplits, check_m_splits, columnwise_data_shape, compact_to_gemm_ready, num_column_blocks
 from ..recipe import BLOCK_SIZE, FP8_DTYPES, HIGH_PRECISION_DTYPES
-from ..reference.quantize import dequantize_128x1, dequantize_1x128, dequantize_128x128
+from .views import Reshape, Split, reshaped, shape_arg
 
 aten = torch.ops.aten
 
@@ -237,28 +239,37 @@ class Float8BlockwiseQTensor(torch.Tensor):
             raise ValueError(f"this Float8BlockwiseQTensor holds no {usage} data (usages={self.usages})")
         return usage
 
-    def _dequantize_no_grad(self, dtype: torch.dtype, usage: Optional[str] = None) -> torch.Tensor:
+    def _dequantize_no_grad(self, dtype: torch.dtype, usage: Optional[str] = None,
+                            impl: Implementation = REFERENCE) -> torch.Tensor:
+        """The ``usage`` copy dequantized by ``impl``'s launchers (``backend.py``), no autograd."""
         if self._check_usage(usage) == "rowwise":
-            dq = dequantize_128x128 if self._is_2D_scaled else dequantize_1x128
+            dq = impl.dequantize_128x128 if self._is_2D_scaled else impl.dequantize_1x128
             out = dq(self._rowwise_data, self._rowwise_scale_inv, dtype)
         elif self._is_2D_scaled:
-            out = dequantize_128x128(self._columnwise_data, self._columnwise_scale_inv, dtype).t()
+            out = impl.dequantize_128x128(self._columnwise_data, self._columnwise_scale_inv, dtype).t()
         else:
-            out = dequantize_128x1(
+            out = impl.dequantize_128x1(
                 self._columnwise_data, self._columnwise_scale_inv, dtype, self._columnwise_m_splits
             )
         return out.reshape(self.shape)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, usage: Optional[str] = None) -> torch.Tensor:
+    def dequantize(self, dtype: torch.dtype = torch.float32, usage: Optional[str] = None, *,
+                   backend: str = "auto") -> torch.Tensor:
         """The logical ``[..., K]`` tensor in ``dtype`` from the ``usage`` copy.
 
         ``usage`` defaults to rowwise when held, else columnwise. Differentiable:
-        the gradient passes straight through (cast to the nominal dtype). Runs
-        ``ops.dequantize_blockwise`` (the Triton kernel on the GPU).
+        the gradient passes straight through (cast to the nominal dtype). A rowwise
+        1x128 copy runs the Triton kernel on the GPU (``backend``: ``"auto"``,
+        ``"triton"`` or ``"reference"``, ``backend.py``); other layouts, float64
+        outputs, non-contiguous data and the CPU run ``reference/dequantize.py``.
         """
-        from ..ops.dequantize import dequantize_blockwise  # ops sit above this module
-
-        return dequantize_blockwise(self, dtype, usage)
+        if dtype not in HIGH_PRECISION_DTYPES + (torch.float64,):
+            raise TypeError(f"dequantize dtype must be a floating dtype, got {dtype}")
+        usage = self._check_usage(usage)
+        impl = implementation(backend, self, "dequantize")
+        if dtype == torch.float64 or (usage == "rowwise" and not self._rowwise_data.is_contiguous()):
+            impl = REFERENCE  # the 1x128 kernel writes bf16/fp16/fp32 from contiguous rows
+        return _Dequantize.apply(self, dtype, usage, impl)
 
     def scale_inv_gemm_ready(self, usage: str = "rowwise") -> torch.Tensor:
         """The ``usage`` scales converted to TransformerEngine's GEMM_READY layout (a copy)."""
@@ -291,12 +302,12 @@ class Float8BlockwiseQTensor(torch.Tensor):
                 self._columnwise_data = self._rowwise_data.t().contiguous()
                 self._columnwise_scale_inv = self._rowwise_scale_inv.t().contiguous()
             else:
-                from ..ops.transpose import scaling_aware_transpose  # ops sit above this module
-
-                col = scaling_aware_transpose(self, m_splits)
-                self._columnwise_data = col._columnwise_data
-                self._columnwise_scale_inv = col._columnwise_scale_inv
-                self._columnwise_m_splits = col._columnwise_m_splits
+                self._check_transposable()
+                m_splits = check_m_splits(m_splits, self._rowwise_data.shape[0], device=self.device)
+                col = self._scaling_aware_transpose(m_splits, implementation("auto", self, "update_usage"))
+                self._columnwise_data = col["columnwise_data"]
+                self._columnwise_scale_inv = col["columnwise_scale_inv"]
+                self._columnwise_m_splits = col["columnwise_m_splits"]
         if want_row and self._rowwise_data is None:
             if not self._is_2D_scaled:
                 raise ValueError("a columnwise-only 1x128 tensor cannot recover rowwise data")
@@ -307,14 +318,34 @@ class Float8BlockwiseQTensor(torch.Tensor):
         if not want_col:
             self._columnwise_data = self._columnwise_scale_inv = self._columnwise_m_splits = None
 
+    def _check_transposable(self) -> None:
+        """Raise unless the scaling-aware transpose can make this tensor's 128x1 copy: rowwise 1x128 data
+        with power-of-two scales."""
+        if self._is_2D_scaled:
+            raise ValueError("t is 128x128-scaled: its columnwise copy is a plain transpose (update_usage)")
+        if self._rowwise_data is None:
+            raise ValueError("t has no rowwise data to transpose")
+        if not self._pow2_scales:
+            raise ValueError(
+                "t's scales are not powers of two (quantized with pow2_scales=False); the scaling-aware "
+                "transpose shifts exponents and would need a real requantization"
+            )
+
+    def _scaling_aware_transpose(self, m_splits: MSplits, impl: Implementation) -> dict:
+        """The 128x1 columnwise components made from the rowwise copy by exponent shifts (``impl``'s
+        launcher; rule in ``reference/transpose.py``), blocks restarting at each group of the checked
+        ``m_splits``: data ``[K, M]`` (grouped: expert-major ``[M*K]``), scale_inv ``[num_column_blocks, K]``."""
+        data_t, scale_t = impl.scaling_aware_transpose(self._rowwise_data, self._rowwise_scale_inv, m_splits)
+        return dict(columnwise_data=data_t, columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
+
     # ------------------------------------------------------------------ shape ops
     def view(self, *shape) -> "Float8BlockwiseQTensor":
         """Reshape between ``[..., K]`` shapes with the same last dim K (zero copy)."""
-        return _Reshape.apply(self, _shape_arg(shape))
+        return Reshape.apply(self, shape_arg(shape))
 
     def reshape(self, *shape) -> "Float8BlockwiseQTensor":
         """Same as :meth:`view`: FP8 storage is ``[M, K]`` whatever the leading dims."""
-        return _Reshape.apply(self, _shape_arg(shape))
+        return Reshape.apply(self, shape_arg(shape))
 
     def split(self, m_splits, dim: int = 0) -> tuple["Float8BlockwiseQTensor", ...]:
         """Split the flattened ``[M, K]`` rows by the host list ``m_splits`` (zero copy).
@@ -336,7 +367,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
         m = math.prod(self.shape[:-1])
         if any(s < 0 for s in m_splits) or sum(m_splits) != m:
             raise ValueError(f"m_splits must be >= 0 and sum to M={m}, got {list(m_splits)}")
-        return _Split.apply(self, tuple(m_splits))
+        return Split.apply(self, tuple(m_splits))
 
     def __setitem__(self, key, value):
         raise TypeError("Float8BlockwiseQTensor does not support item assignment: its FP8 data is immutable "
@@ -362,7 +393,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
             return src._make_like(**{k: (v.clone() if v is not None and k != "columnwise_m_splits" else v)
                                      for k, v in src._components().items()})
         if func in (aten.view.default, aten._unsafe_view.default) and isinstance(args[0], cls):
-            return _reshaped(args[0], args[1])  # torch.reshape, flatten, ...: row-preserving views stay FP8
+            return reshaped(args[0], args[1])  # torch.reshape, flatten, ...: row-preserving views stay FP8
         for i, arg in enumerate(func._schema.arguments):
             if arg.alias_info is not None and arg.alias_info.is_write:
                 val = args[i] if i < len(args) else kwargs.get(arg.name)
@@ -393,115 +424,14 @@ def _rebuild(shape, dtype, fp8_dtype, is_2D_scaled, pow2_scales, components):
     )
 
 
-def _shape_arg(shape) -> tuple:
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
-        return tuple(shape[0])
-    return tuple(shape)
+class _Dequantize(torch.autograd.Function):
+    """``Float8BlockwiseQTensor.dequantize``: straight-through gradient, cast to the nominal dtype."""
 
-
-def _reshaped(t: Float8BlockwiseQTensor, shape) -> Float8BlockwiseQTensor:
-    """``t`` with another ``[..., K]`` shape of the same last dim K (the FP8 storage is ``[M, K]``)."""
-    new_shape = torch.empty(t.shape, device="meta").reshape(shape).shape
-    if len(new_shape) < 1 or new_shape[-1] != t.shape[-1]:
-        raise ValueError(
-            f"Float8BlockwiseQTensor can only reshape between [..., K] shapes with K={t.shape[-1]}, "
-            f"got {list(new_shape)} from {list(t.shape)}"
-        )
-    return t._make_like(shape=new_shape)
-
-
-class _Reshape(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, shape):
-        ctx.shape = t.shape
-        return _reshaped(t, shape)
+    def forward(ctx, t, dtype, usage, impl: Implementation):
+        ctx.nominal_dtype = t.dtype
+        return t._dequantize_no_grad(dtype, usage, impl)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.reshape(ctx.shape), None
-
-
-def _column_pieces(t: Float8BlockwiseQTensor, m_splits) -> list[dict]:
-    """Per split piece: its 128x1 columnwise data, scale rows and groups. A piece of an ungrouped copy
-    ``[K, M]`` is a column slice ending at block boundaries; of an expert-major copy, either whole groups
-    (a flat slice, grouped as they were) or a block-aligned part of one group (a strided ``[K, m]`` view
-    of that group's block, ungrouped)."""
-    grouped = t._columnwise_m_splits is not None
-    groups = t._columnwise_m_splits if grouped else [sum(m_splits)]
-    if isinstance(groups, torch.Tensor):
-        raise ValueError(
-            "cannot split a columnwise copy grouped by a device tensor (its block boundaries are "
-            "on the device); drop it with update_usage(columnwise_usage=False) first"
-        )
-    k = t.shape[-1]
-    firsts = [sum(groups[:i]) for i in range(len(groups) + 1)]
-    bounds, blk = {0: 0}, 0  # every block boundary: row -> scale row
-    for first, g in zip(firsts, groups):
-        for start in range(0, g, BLOCK_SIZE):
-            bounds[first + start] = blk
-            blk += 1
-        bounds[first + g] = blk
-    cut = ValueError(f"m_splits {list(m_splits)} cut through 128-row blocks{' or across groups' if grouped else ''}"
-                     f" of the columnwise copy (groups {list(groups)}); drop it with "
-                     "update_usage(columnwise_usage=False) first")
-    pieces, lo = [], 0
-    for size in m_splits:
-        hi = lo + size
-        if lo not in bounds or hi not in bounds:
-            raise cut
-        piece = dict(columnwise_scale_inv=t._columnwise_scale_inv[bounds[lo]:bounds[hi]], columnwise_m_splits=None)
-        if not grouped:
-            piece["columnwise_data"] = t._columnwise_data[:, lo:hi]
-        elif size == 0:
-            piece["columnwise_data"] = t._columnwise_data.new_empty((k, 0))
-        elif lo in firsts and hi in firsts:  # whole groups (and the empty ones at lo)
-            piece.update(columnwise_data=t._columnwise_data[k * lo:k * hi],
-                         columnwise_m_splits=groups[firsts.index(lo):firsts.index(hi)])
-        else:  # inside one group
-            g = max(i for i, f in enumerate(firsts[:-1]) if f <= lo)
-            if hi > firsts[g + 1]:
-                raise cut
-            block = t._columnwise_data[k * firsts[g]:k * firsts[g + 1]].view(k, groups[g])
-            piece["columnwise_data"] = block[:, lo - firsts[g]:hi - firsts[g]]
-        pieces.append(piece)
-        lo = hi
-    return pieces
-
-
-class _Split(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, m_splits):
-        k = t.shape[-1]
-        ctx.meta = (t.shape, t.dtype, t.device)
-        ctx.m_splits = m_splits
-        pieces = [dict.fromkeys(t._components()) for _ in m_splits]
-        if t._rowwise_data is not None:
-            blocks = m_splits
-            if t._is_2D_scaled:
-                if any(s % BLOCK_SIZE for s in m_splits[:-1]):
-                    raise ValueError(f"m_splits {list(m_splits)} cut through 128x128 blocks")
-                blocks = [-(-s // BLOCK_SIZE) for s in m_splits]
-            for p, d, s in zip(pieces, t._rowwise_data.split(m_splits), t._rowwise_scale_inv.split(blocks)):
-                p.update(rowwise_data=d, rowwise_scale_inv=s)
-        if t._columnwise_data is not None:
-            if t._is_2D_scaled:
-                if any(s % BLOCK_SIZE for s in m_splits[:-1]):
-                    raise ValueError(f"m_splits {list(m_splits)} cut through 128x128 blocks")
-                blocks = [-(-s // BLOCK_SIZE) for s in m_splits]
-                cols = zip(t._columnwise_data.split(m_splits, dim=1),
-                           t._columnwise_scale_inv.split(blocks, dim=1))
-                for p, (d, s) in zip(pieces, cols):
-                    p.update(columnwise_data=d, columnwise_scale_inv=s)
-            else:
-                for p, c in zip(pieces, _column_pieces(t, m_splits)):
-                    p.update(c)
-        return tuple(t._make_like(shape=(s, k), **p) for s, p in zip(m_splits, pieces))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        shape, dtype, device = ctx.meta
-        parts = [
-            g if g is not None else torch.zeros((m, shape[-1]), dtype=dtype, device=device)
-            for g, m in zip(grads, ctx.m_splits)
-        ]
-        return torch.cat(parts).reshape(shape), None
+        return grad.to(ctx.nominal_dtype), None, None, None
