@@ -7,7 +7,8 @@ e.g. ``config`` for benchmark sweeps). ``Implementation`` holds one column of th
 launchers with those libraries' GEMMs; ``ops/grouped_gemm.py`` picks among them per call). An op
 resolves its implementation once per call, with ``implementation(backend, tensor, op_name)``, and its
 autograd Function keeps it on ``ctx`` for backward. The tensor type reaches its launchers through
-this table too, never through ``ops/``.
+this table too, never through ``ops/``. Every launcher is also a ``torch.library`` custom op, which
+``torch.compile`` traces as one node (``custom_ops.py``).
 
 ``backend="auto"`` runs the Triton kernels on CUDA tensors and the reference elsewhere. ``"triton"``
 forces the kernels: on CPU tensors that needs Triton's interpreter (``TRITON_INTERPRET=1`` set before
@@ -23,6 +24,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .custom_ops import launcher_op
 from .reference import dequantize as rd, grouped_gemm as rg, permute as rp, quantize as rq, swiglu as rs
 from .reference import transpose as rt
 
@@ -59,9 +61,11 @@ class Implementation:
 
 
 def _column(name: str, **modules) -> Implementation:
-    """An implementation from its op modules: ``quantize=..., dequantize=..., ...`` (each field's op)."""
+    """An implementation from its op modules: ``quantize=..., dequantize=..., ...`` (each field's op), every
+    launcher registered as a custom op (``custom_ops.py``)."""
     launchers = dataclasses.fields(Implementation)[1:]
-    return Implementation(name, **{f.name: getattr(modules[f.metadata["op"]], f.name) for f in launchers})
+    return Implementation(name, **{f.name: launcher_op(f.name, name, getattr(modules[f.metadata["op"]], f.name))
+                                   for f in launchers})
 
 
 REFERENCE = _column("reference", quantize=rq, dequantize=rd, transpose=rt, permute=rp, swiglu=rs, grouped_gemm=rg)
@@ -77,11 +81,12 @@ except ModuleNotFoundError as err:  # Triton absent: the reference path only
 else:
     # the 128x1 and 128x128 dequantizations have no kernel (off the hot path): the reference
     TRITON = dataclasses.replace(_column("triton", quantize=kq, dequantize=rd, transpose=kt, permute=kp, swiglu=ks,
-                                         grouped_gemm=kg), dequantize_1x128=kd.dequantize_1x128)
-    CUBLAS = dataclasses.replace(TRITON, name="cublas", grouped_gemm=grouped_gemm_cublas.grouped_gemm,
-                                 grouped_gemm_wgrad=grouped_gemm_cublas.grouped_gemm_wgrad)
-    DEEPGEMM = dataclasses.replace(TRITON, name="deepgemm", grouped_gemm=grouped_gemm_deepgemm.grouped_gemm,
-                                   grouped_gemm_wgrad=grouped_gemm_deepgemm.grouped_gemm_wgrad)
+                                         grouped_gemm=kg),
+                                 dequantize_1x128=launcher_op("dequantize_1x128", "triton", kd.dequantize_1x128))
+    CUBLAS, DEEPGEMM = (dataclasses.replace(
+        TRITON, name=name, grouped_gemm=launcher_op("grouped_gemm", name, module.grouped_gemm),
+        grouped_gemm_wgrad=launcher_op("grouped_gemm_wgrad", name, module.grouped_gemm_wgrad))
+        for name, module in (("cublas", grouped_gemm_cublas), ("deepgemm", grouped_gemm_deepgemm)))
 
 IMPLEMENTATIONS = {impl.name: impl for impl in (REFERENCE, TRITON, CUBLAS, DEEPGEMM) if impl is not None}
 

@@ -85,8 +85,9 @@ def gemm_ready_to_compact(scale_inv: torch.Tensor, is_2D_scaled: bool, columnwis
 
 def check_on_device(cond: torch.Tensor, message: str) -> None:
     """Raise ValueError on CPU; on the GPU a device-side assert (no host sync), loud all the same: the
-    kernels queued after it never run on bad values."""
-    if cond.device.type == "cpu":
+    kernels queued after it never run on bad values. Under ``torch.compile`` the assert on every device
+    (a RuntimeError on CPU): reading ``cond`` on the host would break the graph."""
+    if cond.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(cond):
             raise ValueError(message)
     else:

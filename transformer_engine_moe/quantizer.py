@@ -56,6 +56,11 @@ class Float8BlockQuantizer:
         )
 
     @property
+    def args(self) -> QuantizeArgs:
+        """The settings, as ``quantize_with_args`` takes them."""
+        return self._args
+
+    @property
     def dtype(self) -> torch.dtype:
         """The FP8 dtype produced (TE's quantizer calls this ``dtype`` too)."""
         return self._args.fp8_dtype

@@ -146,6 +146,19 @@ def test_gradient_is_straight_through_and_reaches_input():
     assert torch.equal(x.grad, w.to(torch.bfloat16))
 
 
+def test_quantize_in_function_is_quantize_without_autograd():
+    """What GroupedLinear's autograd Function quantizes with: the same bits as the quantizer, no graph node."""
+    from transformer_engine_moe.ops.quantize import quantize_in_function
+
+    x = torch.randn(3, 40, 256, device=KERNEL_DEVICE, requires_grad=True)
+    quantizer = Float8BlockQuantizer(torch.float8_e5m2, backend="triton")
+    a, b = quantize_in_function(x, quantizer.args), quantizer(x)
+    assert a.grad_fn is None and not a.requires_grad and b.grad_fn is not None
+    assert (a.shape, a.dtype, a.fp8_dtype, a.pow2_scales) == (b.shape, b.dtype, b.fp8_dtype, b.pow2_scales)
+    assert torch.equal(a.rowwise_data.view(torch.uint8), b.rowwise_data.view(torch.uint8))
+    assert same_bits(a.rowwise_scale_inv, b.rowwise_scale_inv)
+
+
 def test_strided_rows_and_leading_dims():
     base = torch.randn(64, 512, dtype=torch.bfloat16, device=KERNEL_DEVICE)
     x = base[:, 64:320]  # row stride 512, unit stride along K

@@ -29,10 +29,10 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import nn
 
+from ..backend import implementation
 from ..layout import MSplits, group_of_row, m_splits_tensor
 from ..ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
-from ..ops.quantize import quantize_grouped_weight
-from ..ops.transpose import scaling_aware_transpose
+from ..ops.quantize import quantize_grouped_weight, quantize_in_function
 from ..quantizer import Float8BlockQuantizer
 from ..recipe import FP8FlowRecipe, Role
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
@@ -56,6 +56,13 @@ def _stacked_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
     return t0.as_strided((len(tensors), *t0.shape), (step, *t0.stride()))
 
 
+def _columnwise(t: Float8BlockwiseQTensor, data_t: torch.Tensor, scale_t: torch.Tensor,
+                m_splits: MSplits) -> Float8BlockwiseQTensor:
+    """``t``'s value held only as the 128x1 columnwise copy ``data_t``, ``scale_t`` grouped by ``m_splits``."""
+    return Float8BlockwiseQTensor(shape=t.shape, dtype=t.dtype, fp8_dtype=t.fp8_dtype, pow2_scales=t.pow2_scales,
+                                  columnwise_data=data_t, columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
+
+
 _PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
 
 
@@ -72,14 +79,16 @@ def _placeholder_wgrad(weight: torch.Tensor) -> torch.Tensor:
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, m_splits, module, weight_fp8, bias, *weights):
-        x = inp if isinstance(inp, Float8BlockwiseQTensor) else module.quantizers[Role.INPUT](inp)
+        # no autograd Function inside this one (torch.compile could not trace it): quantize, transpose as raw ops
+        x = inp if isinstance(inp, Float8BlockwiseQTensor) else quantize_in_function(
+            inp.contiguous(), module.quantizers[Role.INPUT].args)
         out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
         if bias is not None:
             out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
         ctx.wgrad = any(ctx.needs_input_grad[5:]) or module.fuse_wgrad_accumulation
+        ctx.impl = implementation("auto", x, "GroupedLinear")  # the scaling-aware transposes of x and dy
         if ctx.wgrad:  # only wgrad reads the input: keep its columnwise copy alone (as TE), FP8 only
-            x_t = scaling_aware_transpose(x, m_splits)
-            ctx.save_for_backward(x_t.columnwise_data, x_t.columnwise_scale_inv)
+            ctx.save_for_backward(*ctx.impl.scaling_aware_transpose(x.rowwise_data, x.rowwise_scale_inv, m_splits))
             ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.pow2_scales)
         ctx.weight_fp8 = weight_fp8  # not saved_tensors: the moe_expert rerun reuses it, never re-saves it
         ctx.m_splits, ctx.module, ctx.weights = m_splits, module, weights
@@ -94,7 +103,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             raise RuntimeError("GroupedLinear's backward ran twice through one graph: it drops its FP8 weights "
                                "after the dgrad GEMM (as TransformerEngine frees its FP8 tensors in backward), so "
                                "backward with retain_graph=True a second time is not supported")
-        dy = module.quantizers[Role.GRAD](grad_out.contiguous())
+        dy = quantize_in_function(grad_out.contiguous(), module.quantizers[Role.GRAD].args)
         dgrad = None
         if ctx.needs_input_grad[0]:
             weight_t = transpose_grouped_weight(weight, backend=module.weight_backend)
@@ -103,8 +112,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
         del weight  # the wgrad output below need not coexist with the FP8 weights (peak memory)
         dweights = [None] * len(ctx.weights)
         if ctx.wgrad:
-            dy_t = scaling_aware_transpose(dy, m_splits)
-            dy_t.update_usage(rowwise_usage=False)  # shared dy's rowwise bytes: freed with dy (peak memory)
+            # dy^T alone (no rowwise copy): dy's rowwise bytes are freed with dy (peak memory)
+            dy_t = _columnwise(dy, *ctx.impl.scaling_aware_transpose(dy.rowwise_data, dy.rowwise_scale_inv, m_splits),
+                               m_splits)
             del dy
             data, scale = ctx.saved_tensors
             shape, dtype, fp8_dtype, pow2 = ctx.x_meta

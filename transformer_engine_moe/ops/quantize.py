@@ -89,17 +89,22 @@ def quantize_2d(x2d: torch.Tensor, args: QuantizeArgs, m_splits: MSplits, impl: 
     return out
 
 
+def _quantized(x: torch.Tensor, args: QuantizeArgs, m_splits: MSplits, impl: Implementation) -> Float8BlockwiseQTensor:
+    """The Float8BlockwiseQTensor of a checked ``x``, no autograd."""
+    return Float8BlockwiseQTensor(
+        shape=x.shape,
+        dtype=x.dtype,
+        fp8_dtype=args.fp8_dtype,
+        is_2D_scaled=args.block == "128x128",
+        pow2_scales=args.pow2_scales,
+        **quantize_2d(x.view(-1, x.shape[-1]), args, m_splits, impl),
+    )
+
+
 class _Quantize(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, args: QuantizeArgs, m_splits, impl: Implementation):
-        return Float8BlockwiseQTensor(
-            shape=x.shape,
-            dtype=x.dtype,
-            fp8_dtype=args.fp8_dtype,
-            is_2D_scaled=args.block == "128x128",
-            pow2_scales=args.pow2_scales,
-            **quantize_2d(x.view(-1, x.shape[-1]), args, m_splits, impl),
-        )
+        return _quantized(x, args, m_splits, impl)
 
     @staticmethod
     def backward(ctx, grad):
@@ -153,6 +158,14 @@ def quantize_with_args(x: torch.Tensor, args: QuantizeArgs, m_splits: MSplits = 
             raise ValueError("m_splits groups the 128x1 columnwise blocks: needs block='1x128', columnwise=True")
         m_splits = check_m_splits(m_splits, x2d.shape[0], device=x2d.device)
     return _Quantize.apply(x, args, m_splits, implementation(args.backend, x2d, "quantize_blockwise"))
+
+
+def quantize_in_function(x: torch.Tensor, args: QuantizeArgs) -> Float8BlockwiseQTensor:
+    """Quantize a contiguous bf16/fp16/fp32 ``x [..., K]`` inside another autograd Function's forward or
+    backward (``GroupedLinear``'s input and output gradient): no autograd node and no input checks, which
+    would stop ``torch.compile`` tracing that Function (it cannot trace a nested autograd Function, nor read
+    the strides of a gradient in a backward)."""
+    return _quantized(x, args, None, implementation(args.backend, x, "quantize_blockwise"))
 
 
 def quantize_grouped_weight(

@@ -12,7 +12,7 @@ import torch
 
 from ..backend import Implementation, implementation
 from ..layout import MSplits, check_m_splits
-from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor, scaling_aware_columnwise
 
 
 def scaling_aware_transpose(
@@ -48,7 +48,7 @@ class _Transpose(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, t, m_splits, impl: Implementation):
-        return t._make_like(**t._scaling_aware_transpose(m_splits, impl))
+        return t._make_like(**scaling_aware_columnwise(t, m_splits, impl))
 
     @staticmethod
     def backward(ctx, grad):

@@ -43,7 +43,7 @@ def padding(tokens_per_expert: torch.Tensor, align_size: int) -> tuple[torch.Ten
     """``(pad_offsets, padded_tokens_per_expert)``, int64 ``[E]``: each expert's rows padded up to a
     multiple of ``align_size`` (<= 1: no padding)."""
     tpe = tokens_per_expert.to(torch.int64)
-    padded = (tpe + align_size - 1) // align_size * align_size if align_size > 1 else tpe
+    padded = (tpe + align_size - 1) // align_size * align_size if align_size > 1 else tpe.clone()
     extra = padded - tpe
     return torch.cumsum(extra, 0) - extra, padded
 
@@ -127,11 +127,11 @@ def unpermute_backward(
 ):
     """Gradients of ``unpermute`` with merging probs: ``dinp [capacity, H]`` (``grad[t] * p[t, e]``
     at row(t, e), cast to ``grad``'s dtype; zeros elsewhere) and ``dprobs [T, E]``
-    (``sum_h x[row(t, e), h] * grad[t, h]`` in float32, 0 where not routed)."""
+    (``sum_h x[row(t, e), h] * grad[t, h]``, float32, 0 where not routed)."""
     token, expert, final = _pairs(row_id_map, pad_offsets)
     dinp = torch.zeros((capacity, grad.shape[1]), dtype=grad.dtype, device=grad.device)
     p = merging_probs[token, expert].float()
     dinp[final] = (grad[token].float() * p[:, None]).to(grad.dtype)
     dprobs = torch.zeros(merging_probs.shape, dtype=torch.float32, device=grad.device)
     dprobs[token, expert] = (x[final].float() * grad[token].float()).sum(1)
-    return dinp, dprobs.to(merging_probs.dtype)
+    return dinp, dprobs

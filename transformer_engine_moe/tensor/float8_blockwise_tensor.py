@@ -213,6 +213,20 @@ class Float8BlockwiseQTensor(torch.Tensor):
             **merged,
         )
 
+    def __tensor_flatten__(self):
+        """The inner tensors and the metadata: ``torch.compile`` traces the tensor through them."""
+        inner = [k for k, v in self._components().items() if isinstance(v, torch.Tensor)]
+        splits = self._columnwise_m_splits if isinstance(self._columnwise_m_splits, list) else None
+        return inner, (self.dtype, self._fp8_dtype, self._is_2D_scaled, self._pow2_scales, splits)
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, meta: tuple, outer_size, outer_stride) -> "Float8BlockwiseQTensor":
+        dtype, fp8_dtype, is_2D_scaled, pow2_scales, splits = meta
+        if splits is not None:
+            inner = {**inner, "columnwise_m_splits": splits}
+        return Float8BlockwiseQTensor(shape=outer_size, dtype=dtype, fp8_dtype=fp8_dtype, is_2D_scaled=is_2D_scaled,
+                                      pow2_scales=pow2_scales, **inner)
+
     def __repr__(self, *, tensor_contents=None):
         return (
             f"Float8BlockwiseQTensor(shape={list(self.shape)}, dtype={self.dtype}, "
@@ -304,7 +318,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
             else:
                 self._check_transposable()
                 m_splits = check_m_splits(m_splits, self._rowwise_data.shape[0], device=self.device)
-                col = self._scaling_aware_transpose(m_splits, implementation("auto", self, "update_usage"))
+                col = scaling_aware_columnwise(self, m_splits, implementation("auto", self, "update_usage"))
                 self._columnwise_data = col["columnwise_data"]
                 self._columnwise_scale_inv = col["columnwise_scale_inv"]
                 self._columnwise_m_splits = col["columnwise_m_splits"]
@@ -330,13 +344,6 @@ class Float8BlockwiseQTensor(torch.Tensor):
                 "t's scales are not powers of two (quantized with pow2_scales=False); the scaling-aware "
                 "transpose shifts exponents and would need a real requantization"
             )
-
-    def _scaling_aware_transpose(self, m_splits: MSplits, impl: Implementation) -> dict:
-        """The 128x1 columnwise components made from the rowwise copy by exponent shifts (``impl``'s
-        launcher; rule in ``reference/transpose.py``), blocks restarting at each group of the checked
-        ``m_splits``: data ``[K, M]`` (grouped: expert-major ``[M*K]``), scale_inv ``[num_column_blocks, K]``."""
-        data_t, scale_t = impl.scaling_aware_transpose(self._rowwise_data, self._rowwise_scale_inv, m_splits)
-        return dict(columnwise_data=data_t, columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
 
     # ------------------------------------------------------------------ shape ops
     def view(self, *shape) -> "Float8BlockwiseQTensor":
@@ -413,6 +420,15 @@ class Float8BlockwiseQTensor(torch.Tensor):
             cls, lambda t: t._dequantize_no_grad(t.dtype), (args, kwargs)
         )
         return func(*args, **kwargs)
+
+
+def scaling_aware_columnwise(t: Float8BlockwiseQTensor, m_splits: MSplits, impl: Implementation) -> dict:
+    """The 128x1 columnwise components of ``t`` made from its rowwise copy by exponent shifts (``impl``'s
+    launcher; rule in ``reference/transpose.py``), blocks restarting at each group of the checked
+    ``m_splits``: data ``[K, M]`` (grouped: expert-major ``[M*K]``), scale_inv ``[num_column_blocks, K]``.
+    A function, not a method: ``torch.compile`` traces a method of the tensor type as a tensor op."""
+    data_t, scale_t = impl.scaling_aware_transpose(t.rowwise_data, t.rowwise_scale_inv, m_splits)
+    return dict(columnwise_data=data_t, columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
 
 
 def _rebuild(shape, dtype, fp8_dtype, is_2D_scaled, pow2_scales, components):
