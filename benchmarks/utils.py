@@ -1,5 +1,5 @@
 """Shared scaffold for the microbenchmarks: timing, the copy-bandwidth ceiling, saved-activation bytes,
-result files.
+result files, and the expert-parallel runs (one process per GPU, or gloo on CPU processes).
 
 Every benchmark measures its baselines in the same run, reports bytes/FLOPs
 over time against ceilings measured on the same device, and writes
@@ -12,11 +12,17 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import platform
+import socket
+import statistics
+import time
 from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 
 from transformer_engine_moe import Float8BlockwiseQTensor
@@ -122,3 +128,73 @@ def write_results(name: str, title: str, env: dict, ceilings: dict, rows: Sequen
     path = RESULTS_DIR / f"{name}.md"
     path.write_text("\n".join(md))
     return path
+
+
+# ---------------------------------------------------------------- expert parallelism (bench_dispatch, bench_ep_scaling)
+def ep_parser(description: str) -> argparse.ArgumentParser:
+    """``--cpu`` (gloo on CPU processes, toy sizes) and ``--world N`` (its EP size)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU processes (toy sizes)")
+    parser.add_argument("--world", type=int, default=4, help="with --cpu: the EP size")
+    return parser
+
+
+def ep_run(worker: Callable, args, description: str, *worker_args):
+    """Run ``worker(rank, world, cpu, *worker_args)`` on every EP rank, one process each: every visible GPU
+    (NCCL), or ``args.world`` CPU processes (gloo) with ``args.cpu``. Returns ``(what rank 0's worker
+    returned, env, ceilings, world, file suffix)``."""
+    if args.cpu:
+        env, ceilings, world = {"device": "CPU (gloo)", "torch": torch.__version__}, {}, args.world
+    else:
+        _, env, ceilings, _ = start(description)
+        world = torch.cuda.device_count()
+    env["ep_size"] = world
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(_ep_process, args=(world, port, queue, worker, args.cpu, worker_args), nprocs=world, join=True)
+    return queue.get(), env, ceilings, world, "_cpu" if args.cpu else ""
+
+
+def _ep_process(rank, world, port, queue, worker, cpu, worker_args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if cpu:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    else:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    out = worker(rank, world, cpu, *worker_args)
+    if rank == 0:
+        queue.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def ep_device(rank: int, cpu: bool) -> torch.device:
+    return torch.device("cpu") if cpu else torch.device("cuda", rank)
+
+
+def ep_timed(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn()`` over ``iters`` barrier-aligned calls (wall clock, synchronized)."""
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - began))
+    return statistics.median(times)
+
+
+def routing(tokens: int, experts: int, topk: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform random router: ``(topk_ids [T, k] int64, topk_probs [T, k] float32 summing to 1)``."""
+    probs, ids = torch.softmax(torch.randn(tokens, experts, device=device), -1).topk(topk)
+    return ids, probs / probs.sum(1, keepdim=True)

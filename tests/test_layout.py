@@ -152,7 +152,7 @@ def _calls_with_splits(splits):
         "transpose_triton": lambda: scaling_aware_transpose(q, splits, backend="triton"),
         "grouped_gemm": lambda: grouped_gemm(q, w, splits),
         "tensor": lambda: Float8BlockwiseQTensor(
-            shape=(4, 128), dtype=torch.float32, fp8_dtype=torch.float8_e4m3fn, pow2_scales=True,
+            shape=(4, 128), dtype=torch.float32, fp8_dtype=torch.float8_e4m3fn, force_pow_2_scales=True,
             columnwise_data=torch.zeros(512, dtype=torch.float8_e4m3fn),
             columnwise_scale_inv=torch.ones(2, 128), columnwise_m_splits=splits),
     }

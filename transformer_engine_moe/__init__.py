@@ -22,12 +22,13 @@ from .ops import (
     weighted_swiglu_quant,
 )
 from .quantizer import Float8BlockQuantizer
-from .recipe import FP8FlowRecipe, Format, Role
+from .recipe import BlockShape, FP8FlowRecipe, Format, Role
 from .tensor import Float8BlockwiseQTensor, from_te, to_te
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockShape",
     "FP8FlowMoE",
     "FP8FlowRecipe",
     "Float8BlockQuantizer",

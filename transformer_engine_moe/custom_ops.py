@@ -61,28 +61,29 @@ def _empty(like: torch.Tensor, *shape: int, dtype=None) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ the fakes: outputs' shapes and dtypes
-@_spec("(Tensor x, ScalarType fp8_dtype, bool pow2_scales, float amax_epsilon) -> (Tensor, Tensor)")
-def quantize_1x128(x, fp8_dtype, pow2_scales, amax_epsilon):
+@_spec("(Tensor x, ScalarType fp8_dtype, bool force_pow_2_scales, float amax_epsilon) -> (Tensor, Tensor)")
+def quantize_1x128(x, fp8_dtype, force_pow_2_scales, amax_epsilon):
     m, k = x.shape
     return _empty(x, m, k, dtype=fp8_dtype), _empty(x, m, _blocks(k), dtype=torch.float32)
 
 
-@_spec("(Tensor x, ScalarType fp8_dtype, bool pow2_scales, float amax_epsilon, MSplits m_splits) -> (Tensor, Tensor)")
-def quantize_128x1(x, fp8_dtype, pow2_scales, amax_epsilon, m_splits):
+@_spec("(Tensor x, ScalarType fp8_dtype, bool force_pow_2_scales, float amax_epsilon, MSplits m_splits) "
+       "-> (Tensor, Tensor)")
+def quantize_128x1(x, fp8_dtype, force_pow_2_scales, amax_epsilon, m_splits):
     m, k = x.shape
     return (_empty(x, *columnwise_data_shape(m, k, m_splits), dtype=fp8_dtype),
             _empty(x, num_column_blocks(m, m_splits), k, dtype=torch.float32))
 
 
-@_spec("(Tensor x, ScalarType fp8_dtype, bool pow2_scales, float amax_epsilon) -> (Tensor, Tensor)")
-def quantize_128x128(x, fp8_dtype, pow2_scales, amax_epsilon):
+@_spec("(Tensor x, ScalarType fp8_dtype, bool force_pow_2_scales, float amax_epsilon) -> (Tensor, Tensor)")
+def quantize_128x128(x, fp8_dtype, force_pow_2_scales, amax_epsilon):
     m, k = x.shape
     return _empty(x, m, k, dtype=fp8_dtype), _empty(x, _blocks(m), _blocks(k), dtype=torch.float32)
 
 
-@_spec("(Tensor[] weights, ScalarType fp8_dtype, bool pow2_scales, float amax_epsilon, bool transpose) "
+@_spec("(Tensor[] weights, ScalarType fp8_dtype, bool force_pow_2_scales, float amax_epsilon, bool transpose) "
        "-> (Tensor, Tensor, Tensor, Tensor)", transpose=2)
-def quantize_grouped_weight(weights, fp8_dtype, pow2_scales, amax_epsilon, transpose):
+def quantize_grouped_weight(weights, fp8_dtype, force_pow_2_scales, amax_epsilon, transpose):
     w, (g, (n, k)) = weights[0], (len(weights), weights[0].shape)
     scales = (_empty(w, g, n // BLOCK_SIZE, k // BLOCK_SIZE, dtype=torch.float32),
               _empty(w, g, k // BLOCK_SIZE, n // BLOCK_SIZE, dtype=torch.float32))
@@ -143,15 +144,15 @@ def unpermute_backward(grad, x, row_id_map, merging_probs, capacity, pad_offsets
     return _empty(grad, capacity, grad.shape[1]), _empty(grad, *merging_probs.shape, dtype=torch.float32)
 
 
-@_spec("(Tensor x, Tensor? probs, ScalarType fp8_dtype, bool pow2_scales) -> (Tensor, Tensor)")
-def weighted_swiglu_quant(x, probs, fp8_dtype, pow2_scales):
+@_spec("(Tensor x, Tensor? probs, ScalarType fp8_dtype, bool force_pow_2_scales) -> (Tensor, Tensor)")
+def weighted_swiglu_quant(x, probs, fp8_dtype, force_pow_2_scales):
     m, f = x.shape[0], x.shape[1] // 2
     return _empty(x, m, f, dtype=fp8_dtype), _empty(x, m, f // BLOCK_SIZE, dtype=torch.float32)
 
 
-@_spec("(Tensor dy, Tensor x, Tensor? probs, ScalarType? grad_fp8_dtype, bool pow2_scales) -> (Tensor, Tensor, Tensor)",
-       grad_fp8_dtype=1, probs=2)
-def weighted_swiglu_backward(dy, x, probs, grad_fp8_dtype, pow2_scales):
+@_spec("(Tensor dy, Tensor x, Tensor? probs, ScalarType? grad_fp8_dtype, bool force_pow_2_scales) "
+       "-> (Tensor, Tensor, Tensor)", grad_fp8_dtype=1, probs=2)
+def weighted_swiglu_backward(dy, x, probs, grad_fp8_dtype, force_pow_2_scales):
     m, f2 = x.shape
     return (_empty(x, m, f2, dtype=grad_fp8_dtype or x.dtype),
             None if grad_fp8_dtype is None else _empty(x, m, f2 // BLOCK_SIZE, dtype=torch.float32),

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .ops.quantize import QuantizeArgs, quantize_with_args
-from .recipe import FP8FlowRecipe, Role
+from .recipe import BlockShape, FP8FlowRecipe, Role
 from .tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
 
@@ -35,7 +35,7 @@ class Float8BlockQuantizer:
         if block_scaling_dim not in (1, 2):
             raise ValueError(f"block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
         self._args = QuantizeArgs(
-            "128x128" if block_scaling_dim == 2 else "1x128",
+            BlockShape.TILE_128x128 if block_scaling_dim == 2 else BlockShape.ROW_1x128,
             fp8_dtype, force_pow_2_scales, amax_epsilon, rowwise, columnwise, backend,
         )
 
@@ -50,8 +50,8 @@ class Float8BlockQuantizer:
             rowwise=rowwise,
             columnwise=columnwise,
             amax_epsilon=recipe.amax_epsilon,
-            force_pow_2_scales=recipe.power_2_scales,
-            block_scaling_dim=2 if recipe.block(role) == "128x128" else 1,
+            force_pow_2_scales=recipe.force_pow_2_scales,
+            block_scaling_dim=recipe.block(role).dim,
             backend=backend,
         )
 
@@ -67,11 +67,11 @@ class Float8BlockQuantizer:
 
     @property
     def block_scaling_dim(self) -> int:
-        return 2 if self._args.block == "128x128" else 1
+        return self._args.block.dim
 
     @property
     def force_pow_2_scales(self) -> bool:
-        return self._args.pow2_scales
+        return self._args.force_pow_2_scales
 
     @property
     def amax_epsilon(self) -> float:
@@ -104,6 +104,6 @@ class Float8BlockQuantizer:
         a = self._args
         return (
             f"Float8BlockQuantizer(fp8_dtype={a.fp8_dtype}, block={a.block}, rowwise={a.rowwise}, "
-            f"columnwise={a.columnwise}, force_pow_2_scales={a.pow2_scales}, "
+            f"columnwise={a.columnwise}, force_pow_2_scales={a.force_pow_2_scales}, "
             f"amax_epsilon={a.amax_epsilon}, backend={a.backend!r})"
         )

@@ -18,7 +18,38 @@ BLOCK_SIZE = 128
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BLOCKS = ("1x128", "128x128")
+
+
+class BlockShape(str, enum.Enum):
+    """The scaling block of a blockwise FP8 tensor (TransformerEngine's ``block_scaling_dim`` 1 or 2).
+
+    A str enum: a member equals its string, so ``"1x128"`` and ``"128x128"`` keep working wherever a
+    block shape is taken (``BlockShape.parse``) or compared.
+    """
+
+    ROW_1x128 = "1x128"  # activations and gradients: 1x128 along K (the columnwise copy: 128x1 along M)
+    TILE_128x128 = "128x128"  # weights: 128x128, transpose-invariant
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def is_2D(self) -> bool:
+        """128x128 blocks (TE's ``is_2D_scaled``)."""
+        return self is BlockShape.TILE_128x128
+
+    @property
+    def dim(self) -> int:
+        """TE's ``block_scaling_dim``: 1 (1x128) or 2 (128x128)."""
+        return 2 if self.is_2D else 1
+
+    @classmethod
+    def parse(cls, block, name: str = "block") -> "BlockShape":
+        """``block`` (a member or its string) as a member; ValueError naming ``name`` otherwise."""
+        try:
+            return cls(block)
+        except (ValueError, TypeError):
+            raise ValueError(f"{name} must be a BlockShape or one of {[b.value for b in cls]}, got {block!r}") from None
 
 
 class Format(enum.Enum):
@@ -46,14 +77,15 @@ class FP8FlowRecipe:
 
     Args:
         fp8_format: ``Format.E4M3`` or ``Format.HYBRID`` (E5M2 gradients).
-        power_2_scales: round every scale down to a power of two (required by
-            the scaling-aware transpose, which shifts exponents).
+        force_pow_2_scales: round every scale down to a power of two (required by
+            the scaling-aware transpose, which shifts exponents); TE's quantizer's
+            name (the old ``power_2_scales`` reads as an alias).
         amax_epsilon: floor applied to each block's amax before the scale is
             computed (TransformerEngine's ``amax_epsilon``).
     """
 
     fp8_format: Format = Format.E4M3
-    power_2_scales: bool = True
+    force_pow_2_scales: bool = True
     amax_epsilon: float = 0.0
 
     def __post_init__(self):
@@ -69,10 +101,15 @@ class FP8FlowRecipe:
             return torch.float8_e5m2
         return torch.float8_e4m3fn
 
+    @property
+    def power_2_scales(self) -> bool:
+        """Alias of ``force_pow_2_scales`` (the recipe's old name)."""
+        return self.force_pow_2_scales
+
     @staticmethod
-    def block(role: Role) -> str:
-        """The block shape for tensors of ``role``: ``"128x128"`` or ``"1x128"``."""
-        return "128x128" if role is Role.WEIGHT else "1x128"
+    def block(role: Role) -> BlockShape:
+        """The block shape for tensors of ``role``: 128x128 for weights, else 1x128."""
+        return BlockShape.TILE_128x128 if role is Role.WEIGHT else BlockShape.ROW_1x128
 
 
 def check_amax_epsilon(amax_epsilon) -> None:

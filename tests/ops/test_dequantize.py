@@ -18,7 +18,7 @@ def _every_code_tensor(fp8, m, k, device=KERNEL_DEVICE):
     scale = 2.0 ** torch.randint(-127, 100, (m, -(-k // 128))).float()
     return Float8BlockwiseQTensor(shape=(m, k), dtype=torch.bfloat16, fp8_dtype=fp8,
                                   rowwise_data=data.to(device), rowwise_scale_inv=scale.to(device),
-                                  pow2_scales=True)
+                                  force_pow_2_scales=True)
 
 
 def _same(a, b):

@@ -1,13 +1,14 @@
 """grouped_gemm / grouped_gemm_wgrad: Triton kernels (interpreter on CPU) and cuBLAS (GPU) vs the float32
-reference on dequantized operands; ragged and empty groups; list vs tensor splits; the weights' byte
-transpose; bad inputs."""
+reference on dequantized operands; ragged and empty groups; list vs tensor splits; bad inputs (the weights' byte
+transpose: test_transpose.py)."""
 
 import pytest
 import torch
 
 from conftest import CUDA, KERNEL_DEVICE, requires_cuda
 from transformer_engine_moe import Float8BlockwiseQTensor, quantize_blockwise, scaling_aware_transpose
-from transformer_engine_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
+from transformer_engine_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad
+from transformer_engine_moe.ops.transpose import transpose_grouped_weight
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # Kernel vs reference, float32 output: the same exact FP8 products summed in another order. On Hopper the
@@ -107,22 +108,6 @@ def test_wgrad_reads_each_experts_own_block(splits):
     for impl in (kernels, reference):
         out = impl.grouped_gemm_wgrad(a_t, a_s, b_t, b_s, splits)
         assert out.shape == (len(splits), n, k) and relerr(out.cpu(), want) < TOL, impl.__name__
-
-
-@pytest.mark.parametrize("g,n,k", [(3, 256, 384), (1, 128, 128), (0, 128, 256)], ids=str)
-def test_transpose_grouped_weight_kernel_is_the_byte_transpose(g, n, k):
-    """Every byte value (NaN and inf codes included) lands at its transposed place; scales transposed."""
-    data = torch.randint(0, 256, (g * n, k), dtype=torch.uint8, device=KERNEL_DEVICE)
-    scale = torch.rand(g * n // 128, k // 128, device=KERNEL_DEVICE)
-    w = Float8BlockwiseQTensor(shape=(g, n, k), dtype=torch.bfloat16, fp8_dtype=E4M3, is_2D_scaled=True,
-                               rowwise_data=data.view(E4M3), rowwise_scale_inv=scale)
-    out = transpose_grouped_weight(w, backend="triton")
-    ref = transpose_grouped_weight(w, backend="reference")
-    assert out.shape == ref.shape == (g, k, n)
-    assert torch.equal(out.rowwise_data.view(torch.uint8), ref.rowwise_data.view(torch.uint8))
-    assert torch.equal(out.rowwise_scale_inv, ref.rowwise_scale_inv)
-    expected = data.view(g, n, k).transpose(1, 2).reshape(g * k, n)
-    assert torch.equal(ref.rowwise_data.view(torch.uint8), expected)
 
 
 def test_empty_input():

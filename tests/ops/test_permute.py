@@ -119,7 +119,7 @@ def test_fp8_permute_and_pad_matches_reference_and_keeps_bytes(align, case, t):
     want = moe_permute_and_pad_with_probs(q, probs, rm, tpe, align, t * k, backend="reference")
     assert all(_same(a, b) for a, b in zip(got, want))
     out, pprobs, rmap, pad, padded = got
-    assert isinstance(out, Float8BlockwiseQTensor) and out.pow2_scales
+    assert isinstance(out, Float8BlockwiseQTensor) and out.force_pow_2_scales
     assert out.shape[0] == t * k + (e * (align - 1) if align > 1 else 0)
     if align > 1:
         assert ((padded % align) == 0).all() and (padded >= tpe).all() and (padded - tpe < align).all()

@@ -8,7 +8,17 @@ import pytest
 import torch
 
 from conftest import KERNEL_DEVICE, assert_no_host_sync, requires_cuda, same_bits
-from transformer_engine_moe import Float8BlockQuantizer, FP8FlowRecipe, Format, Role, quantize_blockwise
+from transformer_engine_moe import (
+    BlockShape,
+    Float8BlockQuantizer,
+    Float8BlockwiseQTensor,
+    FP8FlowRecipe,
+    Format,
+    Role,
+    quantize_blockwise,
+    quantize_grouped_weight,
+)
+from transformer_engine_moe.ops.quantize import QuantizeArgs
 from transformer_engine_moe.kernels import quantize as kq
 from transformer_engine_moe.reference import dequantize as ref_dequantize
 from transformer_engine_moe.reference import quantize as ref
@@ -91,8 +101,8 @@ def test_scale_options_kernel_matches_reference(pow2, eps):
     x = _input(64, 384, torch.float16)
     for block in ("1x128", "128x128"):
         assert_same_fp8(
-            quantize_blockwise(x, block, pow2_scales=pow2, amax_epsilon=eps, backend="triton"),
-            quantize_blockwise(x, block, pow2_scales=pow2, amax_epsilon=eps, backend="reference"),
+            quantize_blockwise(x, block, force_pow_2_scales=pow2, amax_epsilon=eps, backend="triton"),
+            quantize_blockwise(x, block, force_pow_2_scales=pow2, amax_epsilon=eps, backend="reference"),
         )
 
 
@@ -154,7 +164,8 @@ def test_quantize_in_function_is_quantize_without_autograd():
     quantizer = Float8BlockQuantizer(torch.float8_e5m2, backend="triton")
     a, b = quantize_in_function(x, quantizer.args), quantizer(x)
     assert a.grad_fn is None and not a.requires_grad and b.grad_fn is not None
-    assert (a.shape, a.dtype, a.fp8_dtype, a.pow2_scales) == (b.shape, b.dtype, b.fp8_dtype, b.pow2_scales)
+    meta = lambda t: (t.shape, t.dtype, t.fp8_dtype, t.force_pow_2_scales)  # noqa: E731
+    assert meta(a) == meta(b)
     assert torch.equal(a.rowwise_data.view(torch.uint8), b.rowwise_data.view(torch.uint8))
     assert same_bits(a.rowwise_scale_inv, b.rowwise_scale_inv)
 
@@ -183,6 +194,34 @@ def test_quantizer_and_recipe():
     assert FP8FlowRecipe().fp8_dtype(Role.GRAD) == torch.float8_e4m3fn
 
 
+def test_block_shapes_are_an_enum_that_still_takes_the_strings():
+    x = torch.randn(256, 256)
+    w = quantize_blockwise(x, BlockShape.TILE_128x128)
+    assert w.block is BlockShape.TILE_128x128 and w.block == "128x128" and f"{w.block}" == "128x128"
+    assert_same_fp8(w, quantize_blockwise(x, "128x128"))
+    assert quantize_blockwise(x).block is BlockShape.ROW_1x128 and QuantizeArgs("1x128").block is BlockShape.ROW_1x128
+    assert (BlockShape.ROW_1x128.dim, BlockShape.TILE_128x128.dim) == (1, 2) and BlockShape.TILE_128x128.is_2D
+    assert FP8FlowRecipe.block(Role.WEIGHT) is BlockShape.TILE_128x128
+    assert Float8BlockQuantizer.from_recipe(FP8FlowRecipe(), Role.WEIGHT).block_scaling_dim == 2
+
+
+def test_one_spelling_for_power_of_two_scales_with_the_old_names_as_aliases():
+    """TE's quantizer's ``force_pow_2_scales`` everywhere; ``pow2_scales`` (functions, tensor, args) and the
+    recipe's ``power_2_scales`` still read, the keywords taking precedence."""
+    x = torch.randn(4, 256)
+    q = quantize_blockwise(x, force_pow_2_scales=False)
+    assert not q.force_pow_2_scales and not q.pow2_scales
+    alias = quantize_blockwise(x, pow2_scales=False)
+    assert not alias.force_pow_2_scales and same_bits(alias.rowwise_scale_inv, q.rowwise_scale_inv)
+    assert quantize_blockwise(x, force_pow_2_scales=True, pow2_scales=False).force_pow_2_scales is False
+    w, _ = quantize_grouped_weight([torch.randn(128, 128)], pow2_scales=False, transpose=False)
+    assert not w.force_pow_2_scales
+    t = Float8BlockwiseQTensor(shape=q.shape, dtype=q.dtype, fp8_dtype=q.fp8_dtype, rowwise_data=q.rowwise_data,
+                               rowwise_scale_inv=q.rowwise_scale_inv, pow2_scales=True)
+    assert t.force_pow_2_scales and QuantizeArgs(force_pow_2_scales=False).pow2_scales is False
+    assert FP8FlowRecipe(force_pow_2_scales=False).power_2_scales is False
+
+
 # ---------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize(
     "make_x,kwargs,exc,match",
@@ -195,12 +234,13 @@ def test_quantizer_and_recipe():
         (lambda: torch.randn(4, 0), {}, ValueError, "empty last dimension"),
         (lambda: [[1.0] * 128], {}, TypeError, "must be a torch.Tensor"),
         (lambda: quantize_blockwise(torch.randn(2, 128)), {}, TypeError, "already a Float8BlockwiseQTensor"),
-        (lambda: torch.randn(4, 128), {"block": "1x64"}, ValueError, "block must be one of"),
+        (lambda: torch.randn(4, 128), {"block": "1x64"}, ValueError,
+         r"block must be a BlockShape or one of \[.1x128., .128x128.\], got .1x64."),
         (lambda: torch.randn(4, 128), {"fp8_dtype": torch.int8}, TypeError, "fp8_dtype must be one of"),
         (lambda: torch.randn(4, 128), {"amax_epsilon": -1.0}, ValueError, "amax_epsilon must be finite"),
         (lambda: torch.randn(4, 128), {"amax_epsilon": float("nan")}, ValueError, "amax_epsilon"),
         (lambda: torch.randn(4, 128), {"rowwise": False}, ValueError, "at least one of rowwise"),
-        (lambda: torch.randn(4, 128), {"pow2_scales": 1}, TypeError, "pow2_scales must be a bool"),
+        (lambda: torch.randn(4, 128), {"force_pow_2_scales": 1}, TypeError, "force_pow_2_scales must be a bool"),
         (lambda: torch.randn(4, 128), {"backend": "cuda"}, ValueError, "backend must be one of"),
         (lambda: torch.randn(4, 128), {"m_splits": [4]}, ValueError, "needs block='1x128', columnwise=True"),
         (lambda: torch.randn(4, 128), {"m_splits": [1, 2], "columnwise": True}, ValueError, "sum to M=4"),

@@ -32,7 +32,7 @@ def test_matches_stack_quantize_transpose(fp8, dtype, backend):
     w, wt = quantize_grouped_weight(weights, fp8, backend=backend)
     ref_w, ref_wt = _two_step(weights, fp8, "reference")
     assert w.shape == (3, 256, 384) and wt.shape == (3, 384, 256) and w.dtype == dtype
-    assert w.is_2D_scaled and wt.is_2D_scaled and w.pow2_scales
+    assert w.is_2D_scaled and wt.is_2D_scaled and w.force_pow_2_scales
     assert_same_fp8(w, ref_w)
     assert_same_fp8(wt, ref_wt)
 

@@ -43,7 +43,7 @@ def test_forward_kernel_matches_reference(with_probs, shape, dtype):
     a = weighted_swiglu_quant(x, probs, backend="triton")
     b = weighted_swiglu_quant(x, probs, backend="reference")
     assert a.shape == (shape[0], shape[1]) and a.dtype == dtype and a.fp8_dtype == torch.float8_e4m3fn
-    assert a.rowwise_scale_inv.shape == (shape[0], shape[1] // 128) and a.pow2_scales
+    assert a.rowwise_scale_inv.shape == (shape[0], shape[1] // 128) and a.force_pow_2_scales
     assert_fp8_close(a, b)
 
 

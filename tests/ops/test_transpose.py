@@ -1,11 +1,17 @@
 """scaling_aware_transpose: the rule (against a float formula using torch's cast), Triton kernel vs
-reference (bitwise), groups, special values, accuracy against double quantization, bad input."""
+reference (bitwise), groups, special values, accuracy against double quantization, bad input;
+transpose_grouped_weight: the byte transpose of stacked 128x128 weights."""
 
 import pytest
 import torch
 
 from conftest import KERNEL_DEVICE, assert_no_host_sync, requires_cuda
-from transformer_engine_moe import Float8BlockwiseQTensor, quantize_blockwise, scaling_aware_transpose
+from transformer_engine_moe import (
+    Float8BlockwiseQTensor,
+    quantize_blockwise,
+    scaling_aware_transpose,
+    transpose_grouped_weight,
+)
 from transformer_engine_moe.kernels import transpose as kt
 from transformer_engine_moe.layout import column_block_of_row
 from transformer_engine_moe.reference import transpose as ref
@@ -86,7 +92,7 @@ def test_every_code_at_every_shift(fp8):
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(12, 1)  # [12, 256]
     data = torch.cat([codes, torch.zeros(1, 256, dtype=torch.uint8)]).view(fp8)
     scale = 2.0 ** -torch.arange(13.0)[:, None].repeat(1, 2)  # row r: 2**-r, last row largest shift
-    t = Float8BlockwiseQTensor(shape=(13, 256), dtype=torch.bfloat16, fp8_dtype=fp8, pow2_scales=True,
+    t = Float8BlockwiseQTensor(shape=(13, 256), dtype=torch.bfloat16, fp8_dtype=fp8, force_pow_2_scales=True,
                                rowwise_data=data.to(KERNEL_DEVICE), rowwise_scale_inv=scale.to(KERNEL_DEVICE))
     for backend in ("triton", "reference"):
         got = scaling_aware_transpose(t, backend=backend)
@@ -176,9 +182,9 @@ def test_double_quantization_accuracy_direction():
 def test_non_power_of_two_scales_are_rejected():
     x = activations(256, 256)
     with pytest.raises(ValueError, match="not powers of two"):
-        scaling_aware_transpose(quantize_blockwise(x, pow2_scales=False))
-    q = quantize_blockwise(x, pow2_scales=False)
-    lying = Float8BlockwiseQTensor(shape=q.shape, dtype=q.dtype, fp8_dtype=q.fp8_dtype, pow2_scales=True,
+        scaling_aware_transpose(quantize_blockwise(x, force_pow_2_scales=False))
+    q = quantize_blockwise(x, force_pow_2_scales=False)
+    lying = Float8BlockwiseQTensor(shape=q.shape, dtype=q.dtype, fp8_dtype=q.fp8_dtype, force_pow_2_scales=True,
                                    rowwise_data=q.rowwise_data, rowwise_scale_inv=q.rowwise_scale_inv)
     with pytest.raises(ValueError, match="not powers of two"):
         scaling_aware_transpose(lying, backend="reference")
@@ -256,3 +262,29 @@ def test_gpu_no_host_sync():
         q.dequantize(torch.bfloat16)
 
     assert_no_host_sync(step)
+
+
+@pytest.mark.parametrize("g,n,k", [(3, 256, 384), (1, 128, 128), (0, 128, 256)], ids=str)
+def test_transpose_grouped_weight_kernel_is_the_byte_transpose(g, n, k):
+    """Every byte value (NaN and inf codes included) lands at its transposed place; scales transposed."""
+    data = torch.randint(0, 256, (g * n, k), dtype=torch.uint8, device=KERNEL_DEVICE)
+    scale = torch.rand(g * n // 128, k // 128, device=KERNEL_DEVICE)
+    w = Float8BlockwiseQTensor(shape=(g, n, k), dtype=torch.bfloat16, fp8_dtype=torch.float8_e4m3fn,
+                               is_2D_scaled=True, rowwise_data=data.view(torch.float8_e4m3fn), rowwise_scale_inv=scale)
+    out = transpose_grouped_weight(w, backend="triton")
+    reference = transpose_grouped_weight(w, backend="reference")
+    assert out.shape == reference.shape == (g, k, n)
+    assert torch.equal(out.rowwise_data.view(torch.uint8), reference.rowwise_data.view(torch.uint8))
+    assert torch.equal(out.rowwise_scale_inv, reference.rowwise_scale_inv)
+    expected = data.view(g, n, k).transpose(1, 2).reshape(g * k, n)
+    assert torch.equal(reference.rowwise_data.view(torch.uint8), expected)
+
+
+def test_transpose_grouped_weight_lives_with_the_transposes():
+    """``ops/transpose.py`` holds it; the package root and ``ops`` re-export the same function."""
+    import transformer_engine_moe
+    from transformer_engine_moe import ops
+    from transformer_engine_moe.ops import transpose
+
+    assert transformer_engine_moe.transpose_grouped_weight is ops.transpose_grouped_weight
+    assert ops.transpose_grouped_weight is transpose.transpose_grouped_weight

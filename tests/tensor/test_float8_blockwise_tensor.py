@@ -20,7 +20,7 @@ def test_metadata_and_compact_shapes():
     assert q.rowwise_data.shape == (300, 300) and q.rowwise_data.dtype == torch.float8_e4m3fn
     assert q.rowwise_scale_inv.shape == (300, 3) and q.rowwise_scale_inv.dtype == torch.float32
     assert q.columnwise_data.shape == (300, 300) and q.columnwise_scale_inv.shape == (3, 300)
-    assert q.pow2_scales and q.columnwise_m_splits is None
+    assert q.force_pow_2_scales and q.columnwise_m_splits is None
     assert q.usages == ("rowwise", "columnwise")
     assert "Float8BlockwiseQTensor(shape=[3, 100, 300]" in repr(q)
 
@@ -205,7 +205,7 @@ def test_update_usage():
     with pytest.raises(ValueError, match="cannot recover rowwise data"):
         a.update_usage(rowwise_usage=True)
     with pytest.raises(ValueError, match="not powers of two"):
-        _q(pow2_scales=False).update_usage(columnwise_usage=True)
+        _q(force_pow_2_scales=False).update_usage(columnwise_usage=True)
 
 
 @pytest.mark.parametrize("how", ["torch.save", "pickle"])

@@ -90,7 +90,7 @@ def _hidden_like(rows: Rows, like: Hidden) -> Hidden:
     if scale_inv is None:
         return data
     return Float8BlockwiseQTensor(
-        shape=data.shape, dtype=like.dtype, fp8_dtype=like.fp8_dtype, pow2_scales=like.pow2_scales,
+        shape=data.shape, dtype=like.dtype, fp8_dtype=like.fp8_dtype, force_pow_2_scales=like.force_pow_2_scales,
         rowwise_data=data, rowwise_scale_inv=scale_inv,
     )
 

@@ -149,21 +149,21 @@ def _quantize_128x128_kernel(
     tl.store(s_ptr + pid_m * num_kb + pid_k, scale_inv)
 
 
-def _common_args(x, fp8_dtype, pow2_scales, amax_epsilon, software_cast):
+def _common_args(x, fp8_dtype, force_pow_2_scales, amax_epsilon, software_cast):
     return dict(
         SOFTWARE_CAST=use_software_cast(x, software_cast),
         eps=float(amax_epsilon),
         value_for_inf=scale_value_for_inf(x.dtype),
         FP8_MAX=fp8_max(fp8_dtype),
         E5M2=fp8_dtype == torch.float8_e5m2,
-        POW2=bool(pow2_scales),
+        POW2=bool(force_pow_2_scales),
     )
 
 
 def quantize_1x128(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
-    pow2_scales: bool = True,
+    force_pow_2_scales: bool = True,
     amax_epsilon: float = 0.0,
     software_cast: bool | None = None,
     config: tuple[int, int, int] | None = None,
@@ -189,7 +189,7 @@ def quantize_1x128(
     _quantize_1x128_kernel[(triton.cdiv(xm, block_m), triton.cdiv(nkb, k_blocks))](
         x, q.view(torch.uint8), s, xm, xk, stride, nkb,
         BLOCK_M=block_m, K_BLOCKS=k_blocks, num_warps=num_warps,
-        **_common_args(x, fp8_dtype, pow2_scales, amax_epsilon, software_cast),
+        **_common_args(x, fp8_dtype, force_pow_2_scales, amax_epsilon, software_cast),
     )
     return q, s
 
@@ -197,7 +197,7 @@ def quantize_1x128(
 def quantize_128x1(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
-    pow2_scales: bool = True,
+    force_pow_2_scales: bool = True,
     amax_epsilon: float = 0.0,
     m_splits=None,
     software_cast: bool | None = None,
@@ -219,7 +219,7 @@ def quantize_128x1(
         _quantize_128x1_kernel[(nb, triton.cdiv(k, block_k))](
             x, qt.view(torch.uint8), st, sizes, m, k, x.stride(0), g,
             GROUPED=grouped, MAX_GROUPS=max_groups, BLOCK_K=block_k, num_warps=num_warps,
-            **_common_args(x, fp8_dtype, pow2_scales, amax_epsilon, software_cast),
+            **_common_args(x, fp8_dtype, force_pow_2_scales, amax_epsilon, software_cast),
         )
     return qt, st
 
@@ -227,7 +227,7 @@ def quantize_128x1(
 def quantize_128x128(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
-    pow2_scales: bool = True,
+    force_pow_2_scales: bool = True,
     amax_epsilon: float = 0.0,
     software_cast: bool | None = None,
 ):
@@ -240,7 +240,7 @@ def quantize_128x128(
         _quantize_128x128_kernel[(num_mb, num_kb)](
             x, q.view(torch.uint8), s, m, k, x.stride(0), num_kb,
             BLOCK=BLOCK_SIZE, num_warps=8,
-            **_common_args(x, fp8_dtype, pow2_scales, amax_epsilon, software_cast),
+            **_common_args(x, fp8_dtype, force_pow_2_scales, amax_epsilon, software_cast),
         )
     return q, s
 
@@ -287,7 +287,7 @@ def _address_table(addresses: tuple[int, ...], device: torch.device) -> torch.Te
 def quantize_grouped_weight(
     weights,
     fp8_dtype: torch.dtype,
-    pow2_scales: bool = True,
+    force_pow_2_scales: bool = True,
     amax_epsilon: float = 0.0,
     transpose: bool = True,
     software_cast: bool | None = None,
@@ -311,7 +311,7 @@ def quantize_grouped_weight(
             _address_table(addresses, x0.device), x0, q.view(torch.uint8), s, n, k,
             ALIGNED=all(a % 16 == 0 for a in addresses),
             num_warps=num_warps or GROUPED_WEIGHT_WARPS,
-            **_common_args(x0, fp8_dtype, pow2_scales, amax_epsilon, software_cast),
+            **_common_args(x0, fp8_dtype, force_pow_2_scales, amax_epsilon, software_cast),
         )
     if not transpose:
         return q, s, None, None

@@ -107,15 +107,15 @@ def _weighted_swiglu_backward_kernel(
         tl.store(dp_ptr + rows, dp, mask=row_ok)
 
 
-def _common(x, fp8_dtype, pow2_scales):
+def _common(x, fp8_dtype, force_pow_2_scales):
     return dict(
         value_for_inf=scale_value_for_inf(torch.float32),
-        FP8_MAX=fp8_max(fp8_dtype), E5M2=fp8_dtype == torch.float8_e5m2, POW2=bool(pow2_scales),
+        FP8_MAX=fp8_max(fp8_dtype), E5M2=fp8_dtype == torch.float8_e5m2, POW2=bool(force_pow_2_scales),
         SOFTWARE_CAST=use_software_cast(x),
     )
 
 
-def weighted_swiglu_quant(x, probs, fp8_dtype, pow2_scales, config=None):
+def weighted_swiglu_quant(x, probs, fp8_dtype, force_pow_2_scales, config=None):
     """``x [M, 2F]`` (F % 128 == 0), ``probs [M]`` or None -> ``(q [M, F] FP8, scale_inv [M, F/128])``."""
     m, f2 = x.shape
     f = f2 // 2
@@ -127,12 +127,12 @@ def weighted_swiglu_quant(x, probs, fp8_dtype, pow2_scales, config=None):
         _weighted_swiglu_quant_kernel[(triton.cdiv(m, block_m), triton.cdiv(f, k_blocks * BLOCK_SIZE))](
             x, probs if probs is not None else x.new_empty(0), q.view(torch.uint8), s, m, f, f // BLOCK_SIZE,
             HAS_PROBS=probs is not None, BLOCK_M=block_m, K_BLOCKS=k_blocks, num_warps=num_warps,
-            enable_fp_fusion=False, **_common(x, fp8_dtype, pow2_scales),
+            enable_fp_fusion=False, **_common(x, fp8_dtype, force_pow_2_scales),
         )
     return q, s
 
 
-def weighted_swiglu_backward(dy, x, probs, grad_fp8_dtype=None, pow2_scales=True, config=None):
+def weighted_swiglu_backward(dy, x, probs, grad_fp8_dtype=None, force_pow_2_scales=True, config=None):
     """``dy [M, F]``, ``x [M, 2F]``, ``probs [M]`` or None -> ``(dx, dx_scale_inv, dprobs)``: dx ``[M, 2F]``
     in ``x``'s dtype (``dx_scale_inv`` None), or FP8 1x128 in ``grad_fp8_dtype`` with ``[M, 2F/128]`` scales;
     dprobs float32 ``[M]`` or None."""
@@ -153,6 +153,6 @@ def weighted_swiglu_backward(dy, x, probs, grad_fp8_dtype=None, pow2_scales=True
             dxs if quantize else dummy, dp if dp is not None else dummy, m, f,
             HAS_PROBS=probs is not None, QUANTIZE_GRAD=quantize, BLOCK_M=block_m, K_BLOCKS=k_blocks,
             num_warps=num_warps, enable_fp_fusion=False,
-            **_common(x, grad_fp8_dtype or torch.float8_e4m3fn, pow2_scales),
+            **_common(x, grad_fp8_dtype or torch.float8_e4m3fn, force_pow_2_scales),
         )
     return dx, dxs, dp

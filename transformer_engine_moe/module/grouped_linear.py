@@ -31,8 +31,9 @@ from torch import nn
 
 from ..backend import implementation
 from ..layout import MSplits, group_of_row, m_splits_tensor
-from ..ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
+from ..ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm, grouped_gemm_wgrad
 from ..ops.quantize import quantize_grouped_weight, quantize_in_function
+from ..ops.transpose import transpose_grouped_weight
 from ..quantizer import Float8BlockQuantizer
 from ..recipe import FP8FlowRecipe, Role
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
@@ -59,8 +60,9 @@ def _stacked_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
 def _columnwise(t: Float8BlockwiseQTensor, data_t: torch.Tensor, scale_t: torch.Tensor,
                 m_splits: MSplits) -> Float8BlockwiseQTensor:
     """``t``'s value held only as the 128x1 columnwise copy ``data_t``, ``scale_t`` grouped by ``m_splits``."""
-    return Float8BlockwiseQTensor(shape=t.shape, dtype=t.dtype, fp8_dtype=t.fp8_dtype, pow2_scales=t.pow2_scales,
-                                  columnwise_data=data_t, columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
+    return Float8BlockwiseQTensor(shape=t.shape, dtype=t.dtype, fp8_dtype=t.fp8_dtype,
+                                  force_pow_2_scales=t.force_pow_2_scales, columnwise_data=data_t,
+                                  columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
 
 
 _PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
@@ -89,7 +91,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         ctx.impl = implementation("auto", x, "GroupedLinear")  # the scaling-aware transposes of x and dy
         if ctx.wgrad:  # only wgrad reads the input: keep its columnwise copy alone (as TE), FP8 only
             ctx.save_for_backward(*ctx.impl.scaling_aware_transpose(x.rowwise_data, x.rowwise_scale_inv, m_splits))
-            ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.pow2_scales)
+            ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.force_pow_2_scales)
         ctx.weight_fp8 = weight_fp8  # not saved_tensors: the moe_expert rerun reuses it, never re-saves it
         ctx.m_splits, ctx.module, ctx.weights = m_splits, module, weights
         ctx.has_bias = bias is not None
@@ -118,7 +120,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             del dy
             data, scale = ctx.saved_tensors
             shape, dtype, fp8_dtype, pow2 = ctx.x_meta
-            x_t = Float8BlockwiseQTensor(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, pow2_scales=pow2,
+            x_t = Float8BlockwiseQTensor(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, force_pow_2_scales=pow2,
                                          columnwise_data=data, columnwise_scale_inv=scale,
                                          columnwise_m_splits=m_splits)
             if module.fuse_wgrad_accumulation:
@@ -175,8 +177,8 @@ class GroupedLinear(nn.Module):
         if recipe is not None and not isinstance(recipe, FP8FlowRecipe):
             raise TypeError(f"recipe must be an FP8FlowRecipe (e.g. FP8FlowRecipe(fp8_format=Format.HYBRID)), "
                             f"got {recipe!r}")
-        if recipe is not None and not recipe.power_2_scales:
-            raise ValueError("recipe.power_2_scales must be True: the wgrad operands come from the scaling-aware "
+        if recipe is not None and not recipe.force_pow_2_scales:
+            raise ValueError("recipe.force_pow_2_scales must be True: the wgrad operands come from the scaling-aware "
                              "transpose, which shifts exponents and needs power-of-two scales")
         if backend not in GEMM_BACKENDS:
             raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
@@ -252,7 +254,7 @@ class GroupedLinear(nn.Module):
             raise TypeError(f"inp must be bf16/fp16/fp32 or a Float8BlockwiseQTensor, got {inp.dtype}")
         if inp.device != self.weight0.device:
             raise ValueError(f"inp is on {inp.device}, the weights on {self.weight0.device}: move one of them")
-        if isinstance(inp, Float8BlockwiseQTensor) and (inp.is_2D_scaled or not inp.pow2_scales
+        if isinstance(inp, Float8BlockwiseQTensor) and (inp.is_2D_scaled or not inp.force_pow_2_scales
                                                         or inp.rowwise_data is None):
             raise ValueError("an FP8 inp must be rowwise 1x128 with power-of-two scales (the input role's "
                              f"quantization; wgrad transposes it by exponent shifts), got {inp!r}")

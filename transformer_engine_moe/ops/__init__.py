@@ -9,10 +9,10 @@ from .permute import (
     routing_map_to_topk,
     topk_to_routing_map,
 )
-from .grouped_gemm import grouped_gemm, grouped_gemm_wgrad, transpose_grouped_weight
+from .grouped_gemm import grouped_gemm, grouped_gemm_wgrad
 from .quantize import QuantizeArgs, quantize_blockwise, quantize_grouped_weight
 from .swiglu import weighted_swiglu_quant
-from .transpose import scaling_aware_transpose
+from .transpose import scaling_aware_transpose, transpose_grouped_weight
 
 __all__ = [
     "QuantizeArgs",

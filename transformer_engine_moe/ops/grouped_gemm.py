@@ -137,26 +137,11 @@ def check_grouped_weight(weight, name: str = "weight") -> tuple[torch.Tensor, to
     return weight.rowwise_data.view(g, n, k), weight.rowwise_scale_inv.view(g, n // 128, k // 128)
 
 
-def transpose_grouped_weight(weight: Float8BlockwiseQTensor, backend: str = "auto") -> Float8BlockwiseQTensor:
-    """``[G, N, K]`` 128x128 FP8 -> ``[G, K, N]`` (each expert transposed; exact: the scales are
-    transpose-invariant). The dgrad GEMM's K-major operand. ``backend``: ``"auto"`` (Triton byte
-    transpose on CUDA, reference elsewhere), ``"triton"`` or ``"reference"``."""
-    data, scale = check_grouped_weight(weight)
-    g, n, k = weight.shape
-    impl = implementation(backend, data, "transpose_grouped_weight")
-    data_t, scale_t = impl.transpose_128x128(data, scale)
-    return Float8BlockwiseQTensor(
-        shape=(g, k, n), dtype=weight.dtype, fp8_dtype=weight.fp8_dtype, is_2D_scaled=True,
-        pow2_scales=weight.pow2_scales, rowwise_data=data_t.view(g * k, n),
-        rowwise_scale_inv=scale_t.view(g * k // 128, n // 128),
-    )
-
-
 def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_splits: MSplits, *,
                  out_dtype: torch.dtype = torch.bfloat16, backend: str = "auto") -> torch.Tensor:
     """``out[rows of g] = inp[rows of g] @ weight[g]^T``: ``inp [M, K]`` 1x128 rowwise, ``weight
     [G, N, K]`` 128x128 -> ``[M, N]`` in ``out_dtype``. fprop passes the weights, dgrad their
-    ``transpose_grouped_weight`` and the output gradient as ``inp``. Not differentiable (see
+    ``ops.transpose.transpose_grouped_weight`` and the output gradient as ``inp``. Not differentiable (see
     ``module.GroupedLinear``)."""
     a, a_scale = _check_act(inp, "inp", "rowwise")
     b, b_scale = check_grouped_weight(weight)

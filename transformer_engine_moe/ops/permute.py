@@ -103,7 +103,7 @@ class _Permute(torch.autograd.Function):
         )
         if fp8:
             out = Float8BlockwiseQTensor(
-                shape=out.shape, dtype=inp.dtype, fp8_dtype=inp.fp8_dtype, pow2_scales=inp.pow2_scales,
+                shape=out.shape, dtype=inp.dtype, fp8_dtype=inp.fp8_dtype, force_pow_2_scales=inp.force_pow_2_scales,
                 rowwise_data=out, rowwise_scale_inv=out_scale,
             )
         ctx.save_for_backward(row_id_map, pad_offsets)

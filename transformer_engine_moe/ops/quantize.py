@@ -14,33 +14,38 @@ import torch
 
 from ..backend import Implementation, implementation
 from ..layout import MSplits, check_m_splits
-from ..recipe import BLOCKS, FP8_DTYPES, HIGH_PRECISION_DTYPES, check_amax_epsilon
+from ..recipe import FP8_DTYPES, HIGH_PRECISION_DTYPES, BlockShape, check_amax_epsilon
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizeArgs:
-    """Everything but the input that fixes a blockwise quantization."""
+    """Everything but the input that fixes a blockwise quantization (``block``: a ``BlockShape`` or its
+    string, stored as the member)."""
 
-    block: str = "1x128"
+    block: BlockShape = BlockShape.ROW_1x128
     fp8_dtype: torch.dtype = torch.float8_e4m3fn
-    pow2_scales: bool = True
+    force_pow_2_scales: bool = True
     amax_epsilon: float = 0.0
     rowwise: bool = True
     columnwise: bool = False
     backend: str = "auto"
 
     def __post_init__(self):
-        if self.block not in BLOCKS:
-            raise ValueError(f"block must be one of {BLOCKS}, got {self.block!r}")
+        object.__setattr__(self, "block", BlockShape.parse(self.block))
         if self.fp8_dtype not in FP8_DTYPES:
             raise TypeError(f"fp8_dtype must be one of {FP8_DTYPES}, got {self.fp8_dtype}")
-        for name in ("pow2_scales", "rowwise", "columnwise"):
+        for name in ("force_pow_2_scales", "rowwise", "columnwise"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if not (self.rowwise or self.columnwise):
             raise ValueError("at least one of rowwise and columnwise must be True")
         check_amax_epsilon(self.amax_epsilon)
+
+    @property
+    def pow2_scales(self) -> bool:
+        """Alias of ``force_pow_2_scales``."""
+        return self.force_pow_2_scales
 
 
 def check_quantize_input(x, name: str = "x") -> torch.Tensor:
@@ -71,9 +76,9 @@ def check_quantize_input(x, name: str = "x") -> torch.Tensor:
 
 def quantize_2d(x2d: torch.Tensor, args: QuantizeArgs, m_splits: MSplits, impl: Implementation) -> dict:
     """Quantize a checked ``[M, K]`` tensor with ``impl``; return the Float8BlockwiseQTensor components."""
-    common = (args.fp8_dtype, args.pow2_scales, args.amax_epsilon)
+    common = (args.fp8_dtype, args.force_pow_2_scales, args.amax_epsilon)
     out = {}
-    if args.block == "128x128":
+    if args.block.is_2D:
         q, s = impl.quantize_128x128(x2d, *common)
         if args.rowwise:
             out.update(rowwise_data=q, rowwise_scale_inv=s)
@@ -95,8 +100,8 @@ def _quantized(x: torch.Tensor, args: QuantizeArgs, m_splits: MSplits, impl: Imp
         shape=x.shape,
         dtype=x.dtype,
         fp8_dtype=args.fp8_dtype,
-        is_2D_scaled=args.block == "128x128",
-        pow2_scales=args.pow2_scales,
+        is_2D_scaled=args.block.is_2D,
+        force_pow_2_scales=args.force_pow_2_scales,
         **quantize_2d(x.view(-1, x.shape[-1]), args, m_splits, impl),
     )
 
@@ -113,15 +118,16 @@ class _Quantize(torch.autograd.Function):
 
 def quantize_blockwise(
     x: torch.Tensor,
-    block: str = "1x128",
+    block: BlockShape = BlockShape.ROW_1x128,
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
-    pow2_scales: bool = True,
+    force_pow_2_scales: bool = True,
     amax_epsilon: float = 0.0,
     *,
     rowwise: bool = True,
     columnwise: bool = False,
     m_splits: MSplits = None,
     backend: str = "auto",
+    pow2_scales: Optional[bool] = None,
 ) -> Float8BlockwiseQTensor:
     """Quantize ``x [..., K]`` (bf16/fp16/fp32) to blockwise FP8 with COMPACT scales.
 
@@ -129,9 +135,11 @@ def quantize_blockwise(
         x: input; leading dims flatten into M; unit stride along K. K need not
             be a multiple of 128 (the last block is scaled over its valid
             elements, as TransformerEngine does); M may be 0.
-        block: ``"1x128"`` (activations, gradients) or ``"128x128"`` (weights).
+        block: ``BlockShape.ROW_1x128`` (activations, gradients) or ``BlockShape.TILE_128x128``
+            (weights), or their strings ``"1x128"`` / ``"128x128"``.
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
-        pow2_scales: round scales down to powers of two.
+        force_pow_2_scales: round scales down to powers of two (TE's quantizer's name; ``pow2_scales``
+            is an alias, taking precedence when passed).
         amax_epsilon: floor on each block's amax.
         rowwise: produce the rowwise copy: data ``[M, K]``, scale_inv
             ``[M, ceil(K/128)]`` (128x128: ``[ceil(M/128), ceil(K/128)]``).
@@ -146,7 +154,8 @@ def quantize_blockwise(
     Returns a Float8BlockwiseQTensor of ``x``'s shape and nominal dtype; the
     gradient flows straight through to ``x``.
     """
-    args = QuantizeArgs(block, fp8_dtype, pow2_scales, amax_epsilon, rowwise, columnwise, backend)
+    force_pow_2_scales = force_pow_2_scales if pow2_scales is None else pow2_scales
+    args = QuantizeArgs(block, fp8_dtype, force_pow_2_scales, amax_epsilon, rowwise, columnwise, backend)
     return quantize_with_args(x, args, m_splits)
 
 
@@ -154,7 +163,7 @@ def quantize_with_args(x: torch.Tensor, args: QuantizeArgs, m_splits: MSplits = 
     """``quantize_blockwise`` with its settings bundled in ``args``."""
     x2d = check_quantize_input(x)
     if m_splits is not None:
-        if args.block != "1x128" or not args.columnwise:
+        if args.block.is_2D or not args.columnwise:
             raise ValueError("m_splits groups the 128x1 columnwise blocks: needs block='1x128', columnwise=True")
         m_splits = check_m_splits(m_splits, x2d.shape[0], device=x2d.device)
     return _Quantize.apply(x, args, m_splits, implementation(args.backend, x2d, "quantize_blockwise"))
@@ -169,8 +178,8 @@ def quantize_in_function(x: torch.Tensor, args: QuantizeArgs) -> Float8Blockwise
 
 
 def quantize_grouped_weight(
-    weights, fp8_dtype: torch.dtype = torch.float8_e4m3fn, pow2_scales: bool = True, amax_epsilon: float = 0.0,
-    *, transpose: bool = True, backend: str = "auto",
+    weights, fp8_dtype: torch.dtype = torch.float8_e4m3fn, force_pow_2_scales: bool = True, amax_epsilon: float = 0.0,
+    *, transpose: bool = True, backend: str = "auto", pow2_scales: Optional[bool] = None,
 ) -> tuple[Float8BlockwiseQTensor, Optional[Float8BlockwiseQTensor]]:
     """G expert weights -> ``(W, W^T)``: 128x128 FP8 ``[G, N, K]`` and its per-expert transpose
     ``[G, K, N]`` (the dgrad GEMM's K-major operand; None unless ``transpose``), one quantization.
@@ -179,13 +188,14 @@ def quantize_grouped_weight(
         weights: a sequence of G contiguous ``[N, K]`` tensors (bf16/fp16/fp32, one shape, dtype and
             device; N and K multiples of 128), e.g. ``GroupedLinear``'s ``weight0..``. The kernel
             reads them in place: no stacked copy.
-        fp8_dtype, pow2_scales, amax_epsilon: as ``quantize_blockwise``.
+        fp8_dtype, force_pow_2_scales, amax_epsilon, pow2_scales: as ``quantize_blockwise``.
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
 
     Bitwise equal to ``quantize_blockwise(torch.stack(weights).view(-1, K), "128x128", ...)`` and a
     byte transpose of each expert. Not differentiable (weights are quantized under no_grad).
     """
-    args = QuantizeArgs("128x128", fp8_dtype, pow2_scales, amax_epsilon, backend=backend)
+    force_pow_2_scales = force_pow_2_scales if pow2_scales is None else pow2_scales
+    args = QuantizeArgs(BlockShape.TILE_128x128, fp8_dtype, force_pow_2_scales, amax_epsilon, backend=backend)
     if not isinstance(weights, (list, tuple)) or not weights:
         raise TypeError(f"weights must be a non-empty list of [N, K] tensors, got {type(weights).__name__}")
     w0 = weights[0]
@@ -203,10 +213,10 @@ def quantize_grouped_weight(
     if n % 128 or k % 128 or n == 0 or k == 0:
         raise ValueError(f"weights must be [N, K] with N and K positive multiples of 128, got {list(w0.shape)}")
     impl = implementation(backend, w0, "quantize_grouped_weight")
-    q, s, qt, st = impl.quantize_grouped_weight([w.detach() for w in weights], fp8_dtype, pow2_scales,
+    q, s, qt, st = impl.quantize_grouped_weight([w.detach() for w in weights], fp8_dtype, force_pow_2_scales,
                                                  amax_epsilon, transpose)
     g = len(weights)
-    common = dict(dtype=w0.dtype, fp8_dtype=fp8_dtype, is_2D_scaled=True, pow2_scales=args.pow2_scales)
+    common = dict(dtype=w0.dtype, fp8_dtype=fp8_dtype, is_2D_scaled=True, force_pow_2_scales=args.force_pow_2_scales)
     w = Float8BlockwiseQTensor(shape=(g, n, k), rowwise_data=q.view(g * n, k),
                                rowwise_scale_inv=s.view(g * n // 128, k // 128), **common)
     if not transpose:

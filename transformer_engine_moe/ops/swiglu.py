@@ -21,11 +21,11 @@ class _WeightedSwiGLUQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, recipe: FP8FlowRecipe, quantize_grad: bool, impl: Implementation):
         fp8_dtype = recipe.fp8_dtype(Role.INPUT)
-        q, s = impl.weighted_swiglu_quant(x, probs, fp8_dtype, recipe.power_2_scales)
+        q, s = impl.weighted_swiglu_quant(x, probs, fp8_dtype, recipe.force_pow_2_scales)
         ctx.save_for_backward(x, probs)
         ctx.recipe, ctx.quantize_grad, ctx.impl = recipe, quantize_grad, impl
         return Float8BlockwiseQTensor(
-            shape=q.shape, dtype=x.dtype, fp8_dtype=fp8_dtype, pow2_scales=recipe.power_2_scales,
+            shape=q.shape, dtype=x.dtype, fp8_dtype=fp8_dtype, force_pow_2_scales=recipe.force_pow_2_scales,
             rowwise_data=q, rowwise_scale_inv=s,
         )
 
@@ -35,10 +35,10 @@ class _WeightedSwiGLUQuant(torch.autograd.Function):
         recipe = ctx.recipe
         grad_fp8 = recipe.fp8_dtype(Role.GRAD) if ctx.quantize_grad else None
         dy = dy.contiguous()
-        dx, dx_scale, dprobs = ctx.impl.weighted_swiglu_backward(dy, x, probs, grad_fp8, recipe.power_2_scales)
+        dx, dx_scale, dprobs = ctx.impl.weighted_swiglu_backward(dy, x, probs, grad_fp8, recipe.force_pow_2_scales)
         if grad_fp8 is not None:
             dx = Float8BlockwiseQTensor(
-                shape=x.shape, dtype=x.dtype, fp8_dtype=grad_fp8, pow2_scales=recipe.power_2_scales,
+                shape=x.shape, dtype=x.dtype, fp8_dtype=grad_fp8, force_pow_2_scales=recipe.force_pow_2_scales,
                 rowwise_data=dx, rowwise_scale_inv=dx_scale,
             )
         return dx, (dprobs.to(probs.dtype) if dprobs is not None else None), None, None, None

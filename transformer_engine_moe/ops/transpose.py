@@ -1,4 +1,5 @@
-"""``scaling_aware_transpose``: add a 128x1 columnwise copy to a rowwise 1x128 Float8BlockwiseQTensor.
+"""FP8 transposes: ``scaling_aware_transpose`` adds a 128x1 columnwise copy to a rowwise 1x128
+Float8BlockwiseQTensor; ``transpose_grouped_weight`` transposes stacked 128x128 expert weights.
 
 The wgrad GEMMs need X and dY quantized along tokens (128x1 blocks per
 expert). This makes that copy from the rowwise FP8 by exponent shifts: one read
@@ -13,6 +14,7 @@ import torch
 from ..backend import Implementation, implementation
 from ..layout import MSplits, check_m_splits
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor, scaling_aware_columnwise
+from .grouped_gemm import check_grouped_weight
 
 
 def scaling_aware_transpose(
@@ -53,3 +55,18 @@ class _Transpose(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None, None
+
+
+def transpose_grouped_weight(weight: Float8BlockwiseQTensor, backend: str = "auto") -> Float8BlockwiseQTensor:
+    """``[G, N, K]`` 128x128 FP8 -> ``[G, K, N]`` (each expert transposed; exact: the scales are
+    transpose-invariant). The dgrad GEMM's K-major operand. ``backend``: ``"auto"`` (Triton byte
+    transpose on CUDA, reference elsewhere), ``"triton"`` or ``"reference"``."""
+    data, scale = check_grouped_weight(weight)
+    g, n, k = weight.shape
+    impl = implementation(backend, data, "transpose_grouped_weight")
+    data_t, scale_t = impl.transpose_128x128(data, scale)
+    return Float8BlockwiseQTensor(
+        shape=(g, k, n), dtype=weight.dtype, fp8_dtype=weight.fp8_dtype, is_2D_scaled=True,
+        force_pow_2_scales=weight.force_pow_2_scales, rowwise_data=data_t.view(g * k, n),
+        rowwise_scale_inv=scale_t.view(g * k // 128, n // 128),
+    )

@@ -8,7 +8,7 @@ inputs, with one deliberate difference for +-inf (last item):
 * ``amax < amax_epsilon`` is raised to ``amax_epsilon``;
 * ``scale = fp8_max / amax`` (float32, round-to-nearest); ``scale = 1`` when
   ``amax`` is 0 or inf; an overflowing division gives the input dtype's max;
-  with ``pow2_scales`` the float32 bits are masked with ``0xFF800000``
+  with ``force_pow_2_scales`` the float32 bits are masked with ``0xFF800000``
   (round down to a power of two);
 * ``scale_inv = 1 / scale`` (float32);
 * ``data = fp8(x * scale)``: float32 product, round-to-nearest-even, finite
@@ -44,7 +44,7 @@ def compute_scale(
     amax: torch.Tensor,
     fp8_dtype: torch.dtype,
     input_dtype: torch.dtype,
-    pow2_scales: bool,
+    force_pow_2_scales: bool,
     amax_epsilon: float,
 ) -> torch.Tensor:
     """Float32 quantization scale per block from float32 ``amax`` (TE's rule)."""
@@ -54,7 +54,7 @@ def compute_scale(
     scale = torch.where(torch.isinf(scale), scale_value_for_inf(input_dtype), scale)
     special = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
     scale = torch.where(special, torch.ones_like(scale), scale)
-    if pow2_scales:
+    if force_pow_2_scales:
         scale = (scale.view(torch.int32) & _POW2_MASK).view(torch.float32)
     return scale
 
@@ -87,7 +87,7 @@ def _block_amax_rows(x: torch.Tensor) -> torch.Tensor:
 def quantize_1x128(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
-    pow2_scales: bool = True,
+    force_pow_2_scales: bool = True,
     amax_epsilon: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rowwise 1x128 quantization of 2-D ``x [M, K]``.
@@ -96,7 +96,7 @@ def quantize_1x128(
     """
     k = x.shape[1]
     amax = _block_amax_rows(x)
-    scale = compute_scale(amax, fp8_dtype, x.dtype, pow2_scales, amax_epsilon)
+    scale = compute_scale(amax, fp8_dtype, x.dtype, force_pow_2_scales, amax_epsilon)
     scale_full = scale.repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
     data = cast_to_fp8(x.float() * scale_full, fp8_dtype)
     return data, scale_inv_of(scale, amax)
@@ -105,7 +105,7 @@ def quantize_1x128(
 def quantize_128x1(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
-    pow2_scales: bool = True,
+    force_pow_2_scales: bool = True,
     amax_epsilon: float = 0.0,
     m_splits: MSplits = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +121,7 @@ def quantize_128x1(
     a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
     amax = torch.zeros(num_column_blocks(m, m_splits), k, device=x.device)
     amax.scatter_reduce_(0, block[:, None].expand(m, k), a, "amax")
-    scale = compute_scale(amax, fp8_dtype, x.dtype, pow2_scales, amax_epsilon)
+    scale = compute_scale(amax, fp8_dtype, x.dtype, force_pow_2_scales, amax_epsilon)
     data = cast_to_fp8(x.float() * scale[block], fp8_dtype)
     return to_columnwise(data, m_splits), scale_inv_of(scale, amax)
 
@@ -129,7 +129,7 @@ def quantize_128x1(
 def quantize_128x128(
     x: torch.Tensor,
     fp8_dtype: torch.dtype,
-    pow2_scales: bool = True,
+    force_pow_2_scales: bool = True,
     amax_epsilon: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """2-D 128x128 quantization of ``x [M, K]`` (weights).
@@ -141,19 +141,19 @@ def quantize_128x128(
     row_amax = _block_amax_rows(x)  # [M, nkb]
     row_amax = torch.nn.functional.pad(row_amax, (0, 0, 0, nmb * BLOCK_SIZE - m))
     amax = row_amax.view(nmb, BLOCK_SIZE, nkb).amax(dim=1)
-    scale = compute_scale(amax, fp8_dtype, x.dtype, pow2_scales, amax_epsilon)
+    scale = compute_scale(amax, fp8_dtype, x.dtype, force_pow_2_scales, amax_epsilon)
     scale_full = scale.repeat_interleave(BLOCK_SIZE, 0).repeat_interleave(BLOCK_SIZE, 1)
     data = cast_to_fp8(x.float() * scale_full[:m, :k], fp8_dtype)
     return data, scale_inv_of(scale, amax)
 
 
 def quantize_grouped_weight(
-    weights, fp8_dtype: torch.dtype, pow2_scales: bool = True, amax_epsilon: float = 0.0, transpose: bool = True
+    weights, fp8_dtype: torch.dtype, force_pow_2_scales: bool = True, amax_epsilon: float = 0.0, transpose: bool = True
 ):
     """G expert weights ``[N, K]`` (N, K multiples of 128) -> 128x128 FP8 ``(W [G, N, K], scale_inv
     [G, N/128, K/128], W^T [G, K, N] or None, scale_inv_t [G, K/128, N/128] or None)``: each weight's
     ``quantize_128x128``; W^T the same codes transposed (the scales are transpose-invariant)."""
-    parts = [quantize_128x128(w, fp8_dtype, pow2_scales, amax_epsilon) for w in weights]
+    parts = [quantize_128x128(w, fp8_dtype, force_pow_2_scales, amax_epsilon) for w in weights]
     q = torch.stack([p[0] for p in parts])
     s = torch.stack([p[1] for p in parts])
     if not transpose:

@@ -60,14 +60,14 @@ def weighted_swiglu_grad(dy: torch.Tensor, x: torch.Tensor, probs: Optional[torc
 
 
 def weighted_swiglu_quant(x: torch.Tensor, probs: Optional[torch.Tensor], fp8_dtype: torch.dtype,
-                          pow2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                          force_pow_2_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """As the kernel: ``x [M, 2F]``, ``probs [M]`` or None -> ``(q [M, F] FP8, scale_inv [M, F/128])``,
     ``quantize_1x128`` of ``weighted_swiglu``."""
-    return quantize_1x128(weighted_swiglu(x, probs), fp8_dtype, pow2_scales)
+    return quantize_1x128(weighted_swiglu(x, probs), fp8_dtype, force_pow_2_scales)
 
 
 def weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: Optional[torch.Tensor],
-                             grad_fp8_dtype: Optional[torch.dtype] = None, pow2_scales: bool = True):
+                             grad_fp8_dtype: Optional[torch.dtype] = None, force_pow_2_scales: bool = True):
     """As the kernel: ``dy [M, F]``, ``x [M, 2F]``, ``probs [M]`` or None -> ``(dx, dx_scale_inv, dprobs)``:
     ``dx [M, 2F]`` in ``x``'s dtype (``dx_scale_inv`` None), or FP8 1x128 in ``grad_fp8_dtype`` with
     ``[M, 2F/128]`` scales (``quantize_1x128`` of ``weighted_swiglu_grad``'s float32 ``dx``); dprobs
@@ -75,4 +75,4 @@ def weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: Optional[
     dx, dprobs = weighted_swiglu_grad(dy, x, probs)
     if grad_fp8_dtype is None:
         return dx.to(x.dtype), None, dprobs
-    return (*quantize_1x128(dx, grad_fp8_dtype, pow2_scales), dprobs)
+    return (*quantize_1x128(dx, grad_fp8_dtype, force_pow_2_scales), dprobs)

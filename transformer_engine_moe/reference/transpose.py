@@ -51,7 +51,7 @@ def check_pow2_scales(scale_inv: torch.Tensor, name: str = "scale_inv") -> None:
     if not bool((((mantissa == 0.5) & torch.isfinite(scale_inv)) | torch.isnan(scale_inv)).all()):
         raise ValueError(
             f"{name} holds scales that are not powers of two; the scaling-aware transpose "
-            "shifts exponents and would need a real requantization (quantize with pow2_scales=True)"
+            "shifts exponents and would need a real requantization (quantize with force_pow_2_scales=True)"
         )
 
 
@@ -87,14 +87,14 @@ def double_quantize_columnwise(
     data: torch.Tensor,
     scale_inv: torch.Tensor,
     m_splits: MSplits = None,
-    pow2_scales: bool = True,
+    force_pow_2_scales: bool = True,
     intermediate_dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The casting path the transpose replaces: dequantize the rowwise FP8 to
     ``intermediate_dtype``, then quantize it again in 128x1 blocks (grouped by ``m_splits``).
     Returns ``(data_t, scale_inv_t [num_column_blocks, K])`` in the layout of ``scaling_aware_transpose``."""
     hp = dequantize_1x128(data, scale_inv, intermediate_dtype)
-    return quantize_128x1(hp, data.dtype, pow2_scales, 0.0, m_splits)
+    return quantize_128x1(hp, data.dtype, force_pow_2_scales, 0.0, m_splits)
 
 
 def transpose_128x128(data: torch.Tensor, scale_inv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

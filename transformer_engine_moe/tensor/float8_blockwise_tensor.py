@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 from ..backend import REFERENCE, Implementation, implementation
 from ..layout import MSplits, check_m_splits, columnwise_data_shape, compact_to_gemm_ready, num_column_blocks
-from ..recipe import BLOCK_SIZE, FP8_DTYPES, HIGH_PRECISION_DTYPES
+from ..recipe import BLOCK_SIZE, FP8_DTYPES, HIGH_PRECISION_DTYPES, BlockShape
 from .views import Reshape, Split, reshaped, shape_arg
 
 aten = torch.ops.aten
@@ -42,6 +42,15 @@ def scale_inv_shape(
     if is_2D_scaled:
         return (nkb, nmb) if columnwise else (nmb, nkb)
     return (num_column_blocks(m, m_splits), k) if columnwise else (m, nkb)
+
+
+def _check_meta(shape: torch.Size, dtype: torch.dtype, fp8_dtype: torch.dtype) -> None:
+    if len(shape) < 1:
+        raise ValueError("Float8BlockwiseQTensor needs at least one dimension")
+    if dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"dtype must be one of {HIGH_PRECISION_DTYPES}, got {dtype}")
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype}")
 
 
 def _check_component(name, data, scale_inv, data_shape, scale_shape, fp8_dtype, device):
@@ -81,8 +90,9 @@ class Float8BlockwiseQTensor(torch.Tensor):
         columnwise_m_splits: groups of rows (list or device tensor) whose 128x1
             columnwise blocks restart at each group boundary; None: one group.
         is_2D_scaled: 128x128 blocks (weights) instead of 1x128 / 128x1.
-        pow2_scales: every scale is a power of two (what the scaling-aware
-            transpose needs); set by the quantizer.
+        force_pow_2_scales: every scale is a power of two (what the scaling-aware
+            transpose needs); set by the quantizer (TE's quantizer's name; ``pow2_scales``
+            is an alias, taking precedence when passed).
         requires_grad: as for any tensor.
     """
 
@@ -101,16 +111,12 @@ class Float8BlockwiseQTensor(torch.Tensor):
         columnwise_scale_inv: Optional[torch.Tensor] = None,
         columnwise_m_splits: MSplits = None,
         is_2D_scaled: bool = False,
-        pow2_scales: bool = False,
+        force_pow_2_scales: bool = False,
         requires_grad: bool = False,
+        pow2_scales: Optional[bool] = None,
     ):
         shape = torch.Size(shape)
-        if len(shape) < 1:
-            raise ValueError("Float8BlockwiseQTensor needs at least one dimension")
-        if dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(f"dtype must be one of {HIGH_PRECISION_DTYPES}, got {dtype}")
-        if fp8_dtype not in FP8_DTYPES:
-            raise TypeError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype}")
+        _check_meta(shape, dtype, fp8_dtype)
         if rowwise_data is None and columnwise_data is None:
             raise ValueError("Float8BlockwiseQTensor needs rowwise or columnwise data")
         device = (rowwise_data if rowwise_data is not None else columnwise_data).device
@@ -137,7 +143,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
         self._columnwise_m_splits = columnwise_m_splits
         self._fp8_dtype = fp8_dtype
         self._is_2D_scaled = bool(is_2D_scaled)
-        self._pow2_scales = bool(pow2_scales)
+        self._force_pow_2_scales = bool(force_pow_2_scales if pow2_scales is None else pow2_scales)
         return self
 
     # ------------------------------------------------------------------ metadata
@@ -150,14 +156,20 @@ class Float8BlockwiseQTensor(torch.Tensor):
         return self._is_2D_scaled
 
     @property
-    def pow2_scales(self) -> bool:
+    def force_pow_2_scales(self) -> bool:
         """Whether every scale is a power of two."""
-        return self._pow2_scales
+        return self._force_pow_2_scales
 
     @property
-    def block(self) -> str:
-        """``"128x128"`` or ``"1x128"`` (rowwise; the columnwise copy is 128x1)."""
-        return "128x128" if self._is_2D_scaled else "1x128"
+    def pow2_scales(self) -> bool:
+        """Alias of ``force_pow_2_scales``."""
+        return self._force_pow_2_scales
+
+    @property
+    def block(self) -> BlockShape:
+        """``BlockShape.TILE_128x128`` or ``BlockShape.ROW_1x128`` (rowwise; the columnwise copy is 128x1);
+        equal to the strings ``"128x128"`` / ``"1x128"``."""
+        return BlockShape.TILE_128x128 if self._is_2D_scaled else BlockShape.ROW_1x128
 
     @property
     def rowwise_data(self) -> Optional[torch.Tensor]:
@@ -208,7 +220,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
             dtype=self.dtype,
             fp8_dtype=self._fp8_dtype,
             is_2D_scaled=self._is_2D_scaled,
-            pow2_scales=self._pow2_scales,
+            force_pow_2_scales=self._force_pow_2_scales,
             requires_grad=requires_grad,
             **merged,
         )
@@ -217,15 +229,15 @@ class Float8BlockwiseQTensor(torch.Tensor):
         """The inner tensors and the metadata: ``torch.compile`` traces the tensor through them."""
         inner = [k for k, v in self._components().items() if isinstance(v, torch.Tensor)]
         splits = self._columnwise_m_splits if isinstance(self._columnwise_m_splits, list) else None
-        return inner, (self.dtype, self._fp8_dtype, self._is_2D_scaled, self._pow2_scales, splits)
+        return inner, (self.dtype, self._fp8_dtype, self._is_2D_scaled, self._force_pow_2_scales, splits)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size, outer_stride) -> "Float8BlockwiseQTensor":
-        dtype, fp8_dtype, is_2D_scaled, pow2_scales, splits = meta
+        dtype, fp8_dtype, is_2D_scaled, force_pow_2_scales, splits = meta
         if splits is not None:
             inner = {**inner, "columnwise_m_splits": splits}
         return Float8BlockwiseQTensor(shape=outer_size, dtype=dtype, fp8_dtype=fp8_dtype, is_2D_scaled=is_2D_scaled,
-                                      pow2_scales=pow2_scales, **inner)
+                                      force_pow_2_scales=force_pow_2_scales, **inner)
 
     def __repr__(self, *, tensor_contents=None):
         return (
@@ -240,7 +252,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
                       for k, v in self._components().items()}
         return (
             _rebuild,
-            (tuple(self.shape), self.dtype, self._fp8_dtype, self._is_2D_scaled, self._pow2_scales, components),
+            (tuple(self.shape), self.dtype, self._fp8_dtype, self._is_2D_scaled, self._force_pow_2_scales, components),
         )
 
     # ------------------------------------------------------------------ dequantize
@@ -339,9 +351,9 @@ class Float8BlockwiseQTensor(torch.Tensor):
             raise ValueError("t is 128x128-scaled: its columnwise copy is a plain transpose (update_usage)")
         if self._rowwise_data is None:
             raise ValueError("t has no rowwise data to transpose")
-        if not self._pow2_scales:
+        if not self._force_pow_2_scales:
             raise ValueError(
-                "t's scales are not powers of two (quantized with pow2_scales=False); the scaling-aware "
+                "t's scales are not powers of two (quantized with force_pow_2_scales=False); the scaling-aware "
                 "transpose shifts exponents and would need a real requantization"
             )
 
@@ -431,12 +443,12 @@ def scaling_aware_columnwise(t: Float8BlockwiseQTensor, m_splits: MSplits, impl:
     return dict(columnwise_data=data_t, columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
 
 
-def _rebuild(shape, dtype, fp8_dtype, is_2D_scaled, pow2_scales, components):
+def _rebuild(shape, dtype, fp8_dtype, is_2D_scaled, force_pow_2_scales, components):
     components = {k: (v.view(fp8_dtype) if k.endswith("_data") and v is not None else v)
                   for k, v in components.items()}
     return Float8BlockwiseQTensor(
         shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, is_2D_scaled=is_2D_scaled,
-        pow2_scales=pow2_scales, **components,
+        force_pow_2_scales=force_pow_2_scales, **components,
     )
 
 

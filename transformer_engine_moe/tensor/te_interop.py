@@ -55,7 +55,7 @@ def to_te(t: Float8BlockwiseQTensor):
         fp8,
         rowwise=t.rowwise_data is not None,
         columnwise=t.columnwise_data is not None,
-        force_pow_2_scales=t.pow2_scales,
+        force_pow_2_scales=t.force_pow_2_scales,
         block_scaling_dim=2 if t.is_2D_scaled else 1,
     )
     row = col = row_s = col_s = None
@@ -110,7 +110,7 @@ def from_te(te_tensor) -> Float8BlockwiseQTensor:
     quantizer = getattr(te_tensor, "_quantizer", None)
     return Float8BlockwiseQTensor(
         shape=shape, dtype=te_tensor.dtype, fp8_dtype=fp8_dtype, is_2D_scaled=is_2d,
-        pow2_scales=bool(getattr(quantizer, "force_pow_2_scales", False)),
+        force_pow_2_scales=bool(getattr(quantizer, "force_pow_2_scales", False)),
         requires_grad=te_tensor.requires_grad, **out,
     )
 

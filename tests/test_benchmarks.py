@@ -1,0 +1,36 @@
+"""benchmarks/: each ``bench_<name>.py`` writes only ``bench_<name>*`` results, and every results file belongs to
+one script (found by name)."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = sorted(BENCHMARKS.glob("bench_*.py"))
+
+
+def _result_names(script: Path) -> list[str]:
+    """The leading literal of the name each ``write_results(...)`` call of ``script`` writes."""
+    names = []
+    for node in ast.walk(ast.parse(script.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "write_results":
+            arg = node.args[0]
+            if isinstance(arg, ast.JoinedStr):
+                arg = arg.values[0]
+            names.append(arg.value if isinstance(arg, ast.Constant) else "")
+    return names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_each_benchmark_writes_its_own_results(script):
+    names = _result_names(script)
+    assert names, f"{script.name} writes no results"
+    assert all(name.startswith(script.stem) for name in names), (script.name, names)
+
+
+def test_every_results_file_has_its_script():
+    stems = [s.stem for s in SCRIPTS]
+    for path in (BENCHMARKS / "results").iterdir():
+        assert any(path.name.startswith(stem) for stem in stems), path.name
+    assert {"bench_dispatch", "bench_grouped_linear", "bench_grouped_gemm"} <= set(stems)
