@@ -1,5 +1,5 @@
 """Megatron's own ``pretrain`` (megatron-core 0.19.x, ``megatron.training``) through
-``python -m megatron_patches.pretrain_gpt``: BF16 experts (Megatron's) vs FP8-Flow experts with
+``python -m examples.pretrain_gpt``: BF16 experts (Megatron's) vs FP8-Flow experts with
 ``moe_expert`` recompute, E4M3 and HYBRID (E5M2 gradients), same seed and data (Python standard-library
 bytes), on one GPU. The FP8-Flow block draws its initial weights as Megatron's experts do, so all runs
 with one seed start from the same model and see the same dropout masks: what differs is the expert
@@ -36,7 +36,7 @@ MEM = re.compile(r"max allocated: ([\d.]+)")
 
 
 def run(flags, iters) -> dict:
-    cmd = ["torchrun", "--nproc_per_node", "1", "-m", "megatron_patches.pretrain_gpt", *MODEL,
+    cmd = ["torchrun", "--nproc_per_node", "1", "-m", "examples.pretrain_gpt", *MODEL,
            "--train-iters", str(iters), *flags]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:

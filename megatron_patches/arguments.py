@@ -34,7 +34,7 @@ _HELP = (
 _FORMAT_HELP = (
     "FP8 format of the FP8-Flow experts (hybrid: E5M2 gradients); default: --fp8-format. "
     "Without TransformerEngine Megatron refuses --fp8-format with MoE layers: "
-    "megatron_patches.pretrain_gpt then moves --fp8-format here and trains the dense layers in BF16."
+    "examples.pretrain_gpt then moves --fp8-format here and trains the dense layers in BF16."
 )
 
 

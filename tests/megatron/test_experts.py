@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 import megatron_patches
+from megatron_patches.cpu_shims import apply_cpu_shims
 from conftest import CUDA, free_port, requires_cuda
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -53,6 +54,7 @@ def world_of_one():
     from megatron.core import parallel_state
 
     megatron_patches.apply()
+    apply_cpu_shims()
     port = free_port()
     dist.init_process_group("nccl" if CUDA else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)

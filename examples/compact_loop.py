@@ -7,7 +7,8 @@ expert parallelism splits the experts over ``--expert-model-parallel-size`` rank
 all-to-all / all-gather), data parallelism spans the world. Data: ``data.ByteStream`` over the
 standard library's sources. Optimizer: ``torch.optim.AdamW`` on FP32 parameters, gradients
 averaged over the data-parallel group (experts: over the expert-data-parallel group).
-Checkpoints: ``torch.save`` of model and optimizer state per expert-parallel rank.
+Checkpoints: ``torch.save`` of model and optimizer state per expert-parallel rank. ``train`` applies
+``megatron_patches`` and, on a machine without CUDA, installs ``megatron_patches.cpu_shims``.
 """
 
 import argparse
@@ -22,15 +23,17 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import apply
-from .arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
+from megatron_patches import apply
+from megatron_patches.arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
+from megatron_patches.cpu_shims import apply_cpu_shims
+
 from .data import VOCAB_SIZE, ByteStream, stdlib_bytes
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Megatron-LM's flags for what the compact loop implements, plus FP8-Flow's and two of
     its own (``--summary-json``, ``--text-max-bytes``)."""
-    p = argparse.ArgumentParser(prog="python -m megatron_patches.pretrain_gpt",
+    p = argparse.ArgumentParser(prog="python -m examples.pretrain_gpt",
                                 description="Compact GPT-MoE pretraining on megatron.core (CPU)",
                                 allow_abbrev=False)
     g = p.add_argument_group("model")
@@ -146,7 +149,7 @@ def build_model(args):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .experts import fp8_flow_layer_spec
+    from megatron_patches.experts import fp8_flow_layer_spec
 
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -263,6 +266,7 @@ def train(args) -> dict:
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     apply()
+    apply_cpu_shims()
     _init_distributed(args)
     try:
         torch.manual_seed(args.seed)

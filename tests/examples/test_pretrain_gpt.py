@@ -1,4 +1,4 @@
-"""Two-step training runs through ``python -m megatron_patches.pretrain_gpt`` (compact CPU loop):
+"""Two-step training runs through ``python -m examples.pretrain_gpt`` (compact CPU loop):
 world size 1, expert parallelism 2 under gloo (spawned), checkpoint round trip of expert weights."""
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import free_port
-from megatron_patches import pretrain_gpt
+from examples import pretrain_gpt
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the compact loop is the CPU path (GPU: megatron.training)")
@@ -76,7 +76,7 @@ FP8_MODEL = [a if a != "64" else "128" for a in MODEL] + ["--moe-ffn-hidden-size
 def test_fp8_flow_experts_are_in_use(tmp_path, monkeypatch):
     """Two steps with the full FP8-Flow flag set: the MoE layers are FP8FlowMoELayer with an FP8FlowMoE block,
     and every GroupedLinear call receives a Float8BlockwiseQTensor (fc1 from permute, fc2 from SwiGLU+quant)."""
-    from megatron_patches import compact_loop
+    from examples import compact_loop
     from megatron_patches.experts import FP8FlowMoELayer
     from transformer_engine_moe import FP8FlowMoE, Float8BlockwiseQTensor, GroupedLinear
 
@@ -120,11 +120,14 @@ def test_fp8_flow_two_steps_expert_parallel_2(tmp_path):
 
 
 def _reduce_grads_rank(rank, world, port, out):
-    from megatron_patches import apply, compact_loop
+    from examples import compact_loop
+    from megatron_patches import apply
+    from megatron_patches.cpu_shims import apply_cpu_shims
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     args = compact_loop.parse_args(FP8_MODEL + FP8_FLOW + ["--expert-model-parallel-size", "2"])
     apply()
+    apply_cpu_shims()
     compact_loop._init_distributed(args)
     torch.manual_seed(args.seed)
     model = compact_loop.build_model(args)

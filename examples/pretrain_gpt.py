@@ -1,4 +1,4 @@
-"""``python -m megatron_patches.pretrain_gpt <Megatron args>``: GPT-MoE pretraining with FP8-Flow.
+"""``python -m examples.pretrain_gpt <Megatron args>``: GPT-MoE pretraining with FP8-Flow.
 
 Where ``megatron.training`` is importable (megatron-core >= 0.19, or a Megatron-LM checkout of
 that API), the patches are applied and Megatron's own ``pretrain`` runs with our
@@ -15,8 +15,9 @@ import sys
 
 import torch
 
-from . import apply
-from .arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
+from megatron_patches import apply
+from megatron_patches.arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
+
 from .data import VOCAB_SIZE, ByteStream, stdlib_bytes
 
 
@@ -68,7 +69,7 @@ def _fp8_flow_spec_builder(base):
     the default, a spec, or a callable), then ``fp8_flow_layer_spec``."""
     from megatron.training.models.gpt import default_layer_spec
 
-    from .experts import fp8_flow_layer_spec
+    from megatron_patches.experts import fp8_flow_layer_spec
 
     def build(model_config, vp_stage=None):
         spec = base

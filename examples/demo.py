@@ -1,9 +1,9 @@
-"""The main job: a small MoE GPT pretrained through ``python -m megatron_patches.pretrain_gpt`` twice
+"""The main job: a small MoE GPT pretrained through ``python -m examples.pretrain_gpt`` twice
 on the same bytes of the Python standard library's source files — stock Megatron BF16 experts, then
 FP8-Flow experts with ``--recompute-modules moe_expert`` — and a summary of both: loss curves (PNG),
 final loss and their relative deviation, tokens/s, peak memory.
 
-    python -m megatron_patches.demo [--train-iters N] [--out DIR] [-- extra pretrain_gpt args]
+    python -m examples.demo [--train-iters N] [--out DIR] [-- extra pretrain_gpt args]
 
 On a CPU it runs the compact loop under gloo (world size 1); on a GPU the same command scales up by
 arguments (``--hidden-size``, ``--num-experts``, ...).
@@ -30,7 +30,7 @@ FINAL_WINDOW = 10  # final loss = mean of the last steps' losses (one step's los
 
 def run(name: str, argv: list[str], out: pathlib.Path) -> dict:
     summary = out / f"{name}.json"
-    cmd = [sys.executable, "-m", "megatron_patches.pretrain_gpt", *argv, "--summary-json", str(summary)]
+    cmd = [sys.executable, "-m", "examples.pretrain_gpt", *argv, "--summary-json", str(summary)]
     print(f"\n== {name}: {' '.join(cmd[3:])}", flush=True)
     began = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
