@@ -2,10 +2,11 @@
 
 Where ``megatron.training`` is importable (megatron-core >= 0.19, or a Megatron-LM checkout of
 that API), the patches are applied and Megatron's own ``pretrain`` runs with our
-``extra_args_provider``, a layer spec passed through ``fp8_flow_layer_spec``, and the standard
-library's sources as byte tokens (``--tokenizer-type NullTokenizer --vocab-size 256`` are the
-defaults). Otherwise (megatron-core 0.16.1) ``compact_loop`` trains on the CPU with the same
-argument names for the subset it implements.
+``extra_args_provider``, a layer spec passed through ``fp8_flow_layer_spec``, and the data Megatron's
+arguments name (``megatron_data``: ``--data-path`` / ``--mock-data`` and ``--tokenizer-type``;
+without them the standard library's sources as byte tokens, ``--tokenizer-type NullTokenizer
+--vocab-size 256`` being the defaults). Otherwise (megatron-core 0.16.1) ``compact_loop`` trains on
+the CPU with the same argument names for the subset it implements.
 """
 
 import functools
@@ -18,35 +19,21 @@ import torch
 from megatron_patches import apply
 from megatron_patches.arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
 
-from .data import VOCAB_SIZE, ByteStream, stdlib_bytes
+from .data import VOCAB_SIZE
+from .megatron_data import data_source, train_valid_test_datasets
 
-
-class _StdlibTextDataset(torch.utils.data.Dataset):
-    """``num_samples`` windows of ``ByteStream`` from ``offset`` as Megatron GPT batches
-    (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, each ``[seq_length]``)."""
-
-    def __init__(self, stream: ByteStream, offset: int, num_samples: int):
-        self.stream, self.offset, self.num_samples = stream, offset, num_samples
-
-    def __len__(self):
-        return self.num_samples
-
-    def __getitem__(self, index):
-        tokens, labels = self.stream.batch(self.offset + index, 1)
-        return {"tokens": tokens[0], "labels": labels[0],
-                "loss_mask": torch.ones(tokens.shape[1]),
-                "position_ids": torch.arange(tokens.shape[1])}
+STDLIB_TEXT_BYTES = 64 << 20  # the standard library's bytes used without data arguments
 
 
 def _datasets_provider(num_samples, vp_stage=None):
-    """Train / valid / test datasets: disjoint ranges of the standard-library byte stream (None for a
-    split of 0 samples: Megatron builds no loader for it)."""
+    """Megatron's train / valid / test datasets from its data arguments (``megatron_data``; None for a
+    split of 0 samples: Megatron builds no loader for it); rank 0 logs which data it is."""
     from megatron.training import get_args
+    from megatron.training.utils import print_rank_0
 
-    args = get_args()
-    stream = ByteStream(stdlib_bytes(64 << 20), args.seq_length)
-    offsets = (0, num_samples[0], num_samples[0] + num_samples[1])
-    return tuple(_StdlibTextDataset(stream, o, n) if n else None for o, n in zip(offsets, num_samples))
+    datasets, _, described = train_valid_test_datasets(get_args(), num_samples, STDLIB_TEXT_BYTES)
+    print_rank_0(described)
+    return datasets
 
 
 def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -59,7 +46,8 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
 
 
 def _forward_step(data_iterator, model):
-    batch = {k: v.cuda(non_blocking=True) for k, v in next(data_iterator).items()}
+    sample = next(data_iterator)
+    batch = {k: sample[k].cuda(non_blocking=True) for k in ("tokens", "labels", "loss_mask", "position_ids")}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, functools.partial(_loss, batch["loss_mask"])
 
@@ -107,6 +95,7 @@ def megatron_pretrain() -> None:
         args_defaults={"tokenizer_type": "NullTokenizer", "vocab_size": VOCAB_SIZE})
     validate_fp8_flow_args(args)
     resolve_fp8_flow_format(args)
+    data_source(args)  # clashing data arguments fail before the model is built
     model_config = gpt_config_from_args(args)
     model_config.transformer_layer_spec = _fp8_flow_spec_builder(
         model_config.transformer_layer_spec)

@@ -36,10 +36,11 @@ def _summary(path):
     return summary
 
 
-def test_two_steps_world_size_1(tmp_path):
+def test_two_steps_world_size_1(tmp_path, capsys):
     pretrain_gpt.main(MODEL + ["--summary-json", str(tmp_path / "s.json")])
     summary = _summary(tmp_path / "s.json")
     assert summary["world_size"] == 1 and not summary["moe_fp8_flow"]
+    assert "no --data-path or --mock-data given: the Python standard library" in capsys.readouterr().out
 
 
 def test_two_steps_expert_parallel_2_and_checkpoint_round_trip(tmp_path):
@@ -90,8 +91,8 @@ def test_fp8_flow_experts_are_in_use(tmp_path, monkeypatch):
     monkeypatch.setattr(GroupedLinear, "forward", record)
     build = compact_loop.build_model
 
-    def build_and_record(args):
-        model = build(args)
+    def build_and_record(args, vocab_size):
+        model = build(args, vocab_size)
         layers.extend(m for m in model.modules() if isinstance(m, FP8FlowMoELayer))
         return model
 
@@ -130,7 +131,7 @@ def _reduce_grads_rank(rank, world, port, out):
     apply_cpu_shims()
     compact_loop._init_distributed(args)
     torch.manual_seed(args.seed)
-    model = compact_loop.build_model(args)
+    model = compact_loop.build_model(args, 256)
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(rank))
     model(tokens, torch.arange(64).expand(2, -1), None, labels=tokens).float().mean().backward()
     before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
