@@ -27,6 +27,7 @@ from megatron_patches import apply
 from megatron_patches.arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
 from megatron_patches.cpu_shims import apply_cpu_shims
 
+from .expert_path import expert_path
 from .megatron_data import add_data_args, data_source, train_valid_test_datasets
 
 
@@ -292,6 +293,9 @@ def train(args) -> dict:
             print(described, flush=True)
         torch.manual_seed(args.seed)
         model = build_model(args, vocab_size)
+        experts = expert_path(model)
+        if dist.get_rank() == 0:
+            print(experts, flush=True)
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr,
                                       betas=(args.adam_beta1, args.adam_beta2),
                                       eps=args.adam_eps, weight_decay=args.weight_decay)
@@ -349,6 +353,7 @@ def train(args) -> dict:
             "moe_fp8_flow": args.moe_fp8_flow,
             "seed": args.seed,
             "data": described,
+            "expert_path": experts,
         }
         if args.summary_json and dist.get_rank() == 0:
             pathlib.Path(args.summary_json).write_text(json.dumps(summary, indent=1))

@@ -20,6 +20,7 @@ from megatron_patches import apply
 from megatron_patches.arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
 
 from .data import VOCAB_SIZE
+from .expert_path import expert_path
 from .megatron_data import data_source, train_valid_test_datasets
 
 STDLIB_TEXT_BYTES = 64 << 20  # the standard library's bytes used without data arguments
@@ -46,6 +47,11 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
 
 
 def _forward_step(data_iterator, model):
+    if not hasattr(model, "_expert_path"):  # said once per model chunk: which code runs the experts
+        from megatron.training.utils import print_rank_0
+
+        model._expert_path = expert_path(model)
+        print_rank_0(model._expert_path)
     sample = next(data_iterator)
     batch = {k: sample[k].cuda(non_blocking=True) for k in ("tokens", "labels", "loss_mask", "position_ids")}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])

@@ -41,6 +41,7 @@ def test_two_steps_world_size_1(tmp_path, capsys):
     summary = _summary(tmp_path / "s.json")
     assert summary["world_size"] == 1 and not summary["moe_fp8_flow"]
     assert "no --data-path or --mock-data given: the Python standard library" in capsys.readouterr().out
+    assert summary["expert_path"] == "experts: Megatron's SequentialMLP on cpu (plain torch matmuls)"
 
 
 def test_two_steps_expert_parallel_2_and_checkpoint_round_trip(tmp_path):
@@ -100,6 +101,7 @@ def test_fp8_flow_experts_are_in_use(tmp_path, monkeypatch):
     pretrain_gpt.main(FP8_MODEL + FP8_FLOW + ["--summary-json", str(tmp_path / "s.json")])
     summary = _summary(tmp_path / "s.json")
     assert summary["moe_fp8_flow"]
+    assert summary["expert_path"].startswith("experts: FP8-Flow on cpu: the plain-PyTorch reference ops")
     assert len(layers) == 2 and all(isinstance(layer.experts, FP8FlowMoE) for layer in layers)
     assert layers[0].experts.recompute == "moe_expert"
     # 2 layers x 2 GEMMs x 2 steps, plus the moe_expert recompute in backward
