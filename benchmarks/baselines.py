@@ -1,5 +1,7 @@
 """BF16 MoE expert blocks that benchmarks measure FP8-Flow against (benchmark code, not product).
 
+``grouped_swiglu`` is their expert computation (also the experts of ``megatron_grouped_mm.GroupedMMExperts``,
+the stand-in for TransformerEngine's ``TEGroupedMLP`` in Megatron runs).
 ``BF16GroupedMMBlock`` is the strongest BF16 block a user would pick instead of FP8-Flow, written as
 torchtitan writes its experts: weights stacked ``[E, 2F, H]`` (gate rows, then up) and ``[E, H, F]``,
 a stable argsort of the routed expert ids as the permute, ``torch._grouped_mm`` over the ragged groups
@@ -12,6 +14,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+def grouped_swiglu(x: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+                   offs: torch.Tensor) -> torch.Tensor:
+    """The experts' SwiGLU MLPs on rows grouped by expert, two ``torch._grouped_mm``: ``x [M, H]`` (expert g's
+    rows end at ``offs[g]``, int32 ``[G]`` cumulative), ``probs [M]`` (each row's router prob, applied to the
+    SwiGLU output as Megatron's experts apply it), ``fc1 [G, 2F, H]`` (gate rows, then up), ``fc2 [G, H, F]``
+    -> ``[M, H]`` in ``x``'s dtype."""
+    h = torch._grouped_mm(x, fc1.transpose(-2, -1), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate) * up * probs[:, None].to(h.dtype)
+    return torch._grouped_mm(act, fc2.transpose(-2, -1), offs=offs)
 
 
 class BF16GroupedMMBlock(nn.Module):
@@ -45,10 +59,7 @@ class BF16GroupedMMBlock(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount syncs; this does not
         offs = counts[:num_experts].cumsum(0, dtype=torch.int32)
         token = order // k
-        h = torch._grouped_mm(hidden[token], self.fc1.transpose(-2, -1), offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate) * up * topk_probs.reshape(-1)[order, None].to(h.dtype)
-        y = torch._grouped_mm(act, self.fc2.transpose(-2, -1), offs=offs)
+        y = grouped_swiglu(hidden[token], topk_probs.reshape(-1)[order], self.fc1, self.fc2, offs)
         return torch.zeros_like(hidden).index_add_(0, token, y)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from megatron_patches import apply
 from megatron_patches.arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
+from megatron_patches.experts import fp8_flow_layer_spec
 
 from .data import VOCAB_SIZE
 from .expert_path import expert_path
@@ -58,12 +59,10 @@ def _forward_step(data_iterator, model):
     return output, functools.partial(_loss, batch["loss_mask"])
 
 
-def _fp8_flow_spec_builder(base):
+def _spec_builder(base, layer_spec):
     """A ``GPTModelConfig.transformer_layer_spec`` callable: Megatron's spec (``base``: None for
-    the default, a spec, or a callable), then ``fp8_flow_layer_spec``."""
+    the default, a spec, or a callable), then ``layer_spec(spec, transformer_config)``."""
     from megatron.training.models.gpt import default_layer_spec
-
-    from megatron_patches.experts import fp8_flow_layer_spec
 
     def build(model_config, vp_stage=None):
         spec = base
@@ -72,7 +71,7 @@ def _fp8_flow_spec_builder(base):
         elif callable(spec) and not hasattr(spec, "submodules"):
             takes_vp = "vp_stage" in inspect.signature(spec).parameters
             spec = spec(model_config, vp_stage=vp_stage) if takes_vp else spec(model_config)
-        return fp8_flow_layer_spec(spec, model_config.transformer)
+        return layer_spec(spec, model_config.transformer)
 
     return build
 
@@ -86,8 +85,10 @@ def _use_prebuilt_dataset_helpers() -> None:
         utils.compile_helpers = lambda: None
 
 
-def megatron_pretrain() -> None:
-    """Megatron's own ``pretrain`` (megatron-core 0.19 API) with the FP8-Flow patches."""
+def megatron_pretrain(layer_spec=fp8_flow_layer_spec) -> None:
+    """Megatron's own ``pretrain`` (megatron-core 0.19 API) with the FP8-Flow patches; the layer spec is
+    Megatron's passed through ``layer_spec(spec, config)`` (default ``fp8_flow_layer_spec``: FP8-Flow
+    layers when ``--moe-fp8-flow``; benchmarks swap in other experts)."""
     apply()
     _use_prebuilt_dataset_helpers()
     from megatron.core.enums import ModelType
@@ -103,8 +104,7 @@ def megatron_pretrain() -> None:
     resolve_fp8_flow_format(args)
     data_source(args)  # clashing data arguments fail before the model is built
     model_config = gpt_config_from_args(args)
-    model_config.transformer_layer_spec = _fp8_flow_spec_builder(
-        model_config.transformer_layer_spec)
+    model_config.transformer_layer_spec = _spec_builder(model_config.transformer_layer_spec, layer_spec)
     _datasets_provider.is_distributed = True
     pretrain(pretrain_cfg_container_from_args(args, model_config), _datasets_provider,
              ModelType.encoder_or_decoder, _forward_step)

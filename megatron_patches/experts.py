@@ -388,45 +388,52 @@ def _build_shared_experts(spec, config, pg_collection):
     return spec(config=config, pg_collection=pg_collection, gate=config.moe_shared_expert_gate)
 
 
-def _swap_mlp(mlp, block_builder: ExpertBlockBuilder):
-    """The FP8-Flow version of one layer's ``mlp`` spec, or None if it is not an MoE layer."""
+def _swap_mlp(mlp, experts, layer_class):
+    """``mlp`` as ``layer_class`` with ``experts``, or None if it is not Megatron's MoE layer spec."""
     if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:  # megatron-core 0.16
-        submodules = dataclasses.replace(mlp.submodules, experts=block_builder)
-        return dataclasses.replace(mlp, module=FP8FlowMoELayer, submodules=submodules)
+        submodules = dataclasses.replace(mlp.submodules, experts=experts)
+        return dataclasses.replace(mlp, module=layer_class, submodules=submodules)
     if isinstance(mlp, functools.partial) and mlp.func is MoELayer:  # megatron-core 0.19
         keywords = dict(mlp.keywords)
-        keywords["submodules"] = dataclasses.replace(keywords["submodules"],
-                                                     experts=block_builder)
-        return functools.partial(FP8FlowMoELayer, *mlp.args, **keywords)
+        keywords["submodules"] = dataclasses.replace(keywords["submodules"], experts=experts)
+        return functools.partial(layer_class, *mlp.args, **keywords)
     return None
 
 
-def _swap_layer(layer_spec, block_builder: ExpertBlockBuilder):
+def _swap_layer(layer_spec, experts, layer_class):
     submodules = getattr(layer_spec, "submodules", None)
-    mlp = _swap_mlp(getattr(submodules, "mlp", None), block_builder)
+    mlp = _swap_mlp(getattr(submodules, "mlp", None), experts, layer_class)
     if mlp is None:
         return layer_spec, False
     return dataclasses.replace(layer_spec,
                                submodules=dataclasses.replace(submodules, mlp=mlp)), True
 
 
-def fp8_flow_layer_spec(spec, config, block_builder: ExpertBlockBuilder = build_fp8_flow_block):
-    """A copy of ``spec`` whose MoE layers are ``FP8FlowMoELayer`` when ``config.moe_fp8_flow``.
+def replace_moe_experts(spec, experts, layer_class=MoELayer):
+    """A copy of ``spec`` whose MoE layers are ``layer_class`` with ``MoESubmodules.experts = experts``.
 
-    ``spec``: a transformer-layer ``ModuleSpec`` or ``TransformerBlockSubmodules`` (with
-    ``layer_specs``) from Megatron's GPT spec helpers; returned unchanged when
-    ``config.moe_fp8_flow`` is False. Raises ValueError when FP8-Flow is on but no layer is MoE.
+    ``spec``: a transformer-layer ``ModuleSpec`` or ``TransformerBlockSubmodules`` (with ``layer_specs``)
+    from Megatron's GPT spec helpers, in 0.16's ``ModuleSpec`` or 0.19's ``functools.partial`` form;
+    ``experts``: what Megatron's ``MoELayer`` builds the experts from (``layer_class`` MoELayer) or an
+    ``ExpertBlockBuilder`` (``FP8FlowMoELayer``). Dense layers stay as they are. Raises ValueError when
+    no layer is an MoE layer.
     """
-    if not config.moe_fp8_flow:
-        return spec
     if hasattr(spec, "layer_specs"):
-        swapped = [_swap_layer(layer, block_builder) for layer in spec.layer_specs]
+        swapped = [_swap_layer(layer, experts, layer_class) for layer in spec.layer_specs]
         found = any(done for _, done in swapped)
         spec = dataclasses.replace(spec, layer_specs=[layer for layer, _ in swapped])
     else:
-        spec, found = _swap_layer(spec, block_builder)
+        spec, found = _swap_layer(spec, experts, layer_class)
     if not found:
-        raise ValueError("moe_fp8_flow: the layer spec has no MoELayer to replace; build the spec "
-                         "with num_experts set (get_gpt_layer_local_spec / _with_transformer_"
-                         "engine_spec / get_gpt_decoder_block_spec)")
+        raise ValueError("the layer spec has no MoELayer to replace; build the spec with num_experts set "
+                         "(get_gpt_layer_local_spec / _with_transformer_engine_spec / get_gpt_decoder_block_spec)")
     return spec
+
+
+def fp8_flow_layer_spec(spec, config, block_builder: ExpertBlockBuilder = build_fp8_flow_block):
+    """A copy of ``spec`` whose MoE layers are ``FP8FlowMoELayer`` (experts: ``block_builder``) when
+    ``config.moe_fp8_flow``; ``spec`` unchanged otherwise. ValueError when FP8-Flow is on but no layer is
+    MoE (``replace_moe_experts``)."""
+    if not config.moe_fp8_flow:
+        return spec
+    return replace_moe_experts(spec, block_builder, FP8FlowMoELayer)
