@@ -16,7 +16,7 @@ $(STAMP): setup.py Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m megatron_patches.demo
+	$(PY) -m examples.demo
 
 test: $(STAMP)
 	$(PY) -m pytest tests -q

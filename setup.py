@@ -8,6 +8,7 @@ setup(
     description="FP8-Flow-MoE: blockwise-FP8 Mixture-of-Experts expert path for Megatron-core",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    # examples/ (pretrain_gpt, the compact CPU loop, the demo) runs from a checkout: `python -m examples.demo`.
     packages=find_packages(include=["transformer_engine_moe*", "megatron_patches*"]),
     python_requires=">=3.10",
     install_requires=[

@@ -6,6 +6,8 @@ BF16 per-expert GEMMs (the reference block of the tests) or today's blockwise FP
 (TransformerEngine's Float8BlockScaling with Megatron: each GEMM quantizes its BF16 input and returns
 BF16, an unfused BF16 SwiGLU in between), the baseline FP8-Flow removes.
 
+``grouped_swiglu`` is their expert computation (also the experts of ``megatron_grouped_mm.GroupedMMExperts``,
+the stand-in for TransformerEngine's ``TEGroupedMLP`` in Megatron runs).
 ``BF16GroupedMMBlock`` is the strongest BF16 block a user would pick instead of FP8-Flow, written as
 torchtitan writes its experts: weights stacked ``[E, 2F, H]`` (gate rows, then up) and ``[E, H, F]``,
 a stable argsort of the routed expert ids as the permute, ``torch._grouped_mm`` over the ragged groups
@@ -74,6 +76,18 @@ def _per_expert_linear(x: torch.Tensor, weights, m_splits: list[int]) -> torch.T
     return torch.cat([F.linear(xi, w) for xi, w in zip(x.split(m_splits), weights)])
 
 
+def grouped_swiglu(x: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor,
+                   offs: torch.Tensor) -> torch.Tensor:
+    """The experts' SwiGLU MLPs on rows grouped by expert, two ``torch._grouped_mm``: ``x [M, H]`` (expert g's
+    rows end at ``offs[g]``, int32 ``[G]`` cumulative), ``probs [M]`` (each row's router prob, applied to the
+    SwiGLU output as Megatron's experts apply it), ``fc1 [G, 2F, H]`` (gate rows, then up), ``fc2 [G, H, F]``
+    -> ``[M, H]`` in ``x``'s dtype."""
+    h = torch._grouped_mm(x, fc1.transpose(-2, -1), offs=offs)
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate) * up * probs[:, None].to(h.dtype)
+    return torch._grouped_mm(act, fc2.transpose(-2, -1), offs=offs)
+
+
 class BF16GroupedMMBlock(nn.Module):
     """``forward_topk(hidden [T, H] BF16, topk_ids [T, k] int64, topk_probs [T, k] float32) -> [T, H]``
     over ``E`` local experts with ``fc1 [E, 2F, H]`` and ``fc2 [E, H, F]`` BF16 parameters."""
@@ -105,10 +119,7 @@ class BF16GroupedMMBlock(nn.Module):
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount syncs; this does not
         offs = counts[:num_experts].cumsum(0, dtype=torch.int32)
         token = order // k
-        h = torch._grouped_mm(hidden[token], self.fc1.transpose(-2, -1), offs=offs)
-        gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate) * up * topk_probs.reshape(-1)[order, None].to(h.dtype)
-        y = torch._grouped_mm(act, self.fc2.transpose(-2, -1), offs=offs)
+        y = grouped_swiglu(hidden[token], topk_probs.reshape(-1)[order], self.fc1, self.fc2, offs)
         return torch.zeros_like(hidden).index_add_(0, token, y)
 
 

@@ -1,74 +1,165 @@
-"""Megatron's own ``pretrain`` (megatron-core 0.19.x, ``megatron.training``) through
-``python -m megatron_patches.pretrain_gpt``: BF16 experts (Megatron's) vs FP8-Flow experts with
-``moe_expert`` recompute, E4M3 and HYBRID (E5M2 gradients), same seed and data (Python standard-library
-bytes), on one GPU. The FP8-Flow block draws its initial weights as Megatron's experts do, so all runs
-with one seed start from the same model and see the same dropout masks: what differs is the expert
-arithmetic. A BF16 run with another seed is the control: how far runs land apart from initialisation
-alone.
+"""Megatron's own ``pretrain`` (megatron-core 0.19.x, ``megatron.training``) on all GPUs of the machine,
+expert parallelism = GPU count: BF16 experts against FP8-Flow, on DeepSeek-shaped MoE models.
 
-Runs ``torchrun --nproc_per_node 1`` once per configuration, parses Megatron's iteration log lines, and
-writes final loss (mean of the last quarter of logged losses), relative deviation, iteration time and
-tokens/s, and peak memory. Needs megatron-core 0.19.x importable (the README says how on the GPU machines).
+Configurations (``CONFIGS``; mock data, ``--moe-grouped-gemm``, top-8, every layer MoE, sequence 4096):
+- ``deepseek_small``: 4 layers, hidden 2048, 64 experts of ffn 1024 (the issue-16 model);
+- ``deepseek_v3_slice``: DeepSeek-V3's MoE shapes, hidden 7168, 256 experts of ffn 2048, as many layers as
+  fit (1 up to 4 GPUs, 2 on 8: each rank keeps its experts' Adam state, 18 bytes per parameter).
+Runs (``VARIANTS``):
+- ``megatron_bf16``: Megatron's BF16 experts; without TransformerEngine these are ``SequentialMLP`` (a
+  per-expert loop), with Megatron's all-to-all dispatcher;
+- ``bf16_grouped_mm``: the BF16 grouped-GEMM stand-in for TE's ``TEGroupedMLP`` (``megatron_grouped_mm.py``:
+  Megatron's MoELayer and dispatcher, experts as two ``torch._grouped_mm`` on stacked weights);
+- ``fp8_flow_alltoall`` / ``fp8_flow_deepep``: FP8-Flow with ``--moe-token-dispatcher-type alltoall`` /
+  ``flex`` (DeepEP when ``deep_ep`` imports, else all-to-all with a warning: the environment says which);
+- ``fp8_flow_alltoall_moe_expert`` / ``fp8_flow_deepep_moe_expert``: the same with ``moe_expert`` recompute;
+- ``megatron_bf16_seed_control``: ``megatron_bf16`` with the next seed (how far runs land from initialisation).
+All runs with one seed start from the same experts (FP8-Flow and the stand-in draw them as Megatron does).
 
-    python benchmarks/bench_megatron_pretrain.py [--train-iters N]
+Per run: tokens/s per GPU (global batch x sequence / mean iteration time after the warm-up / GPUs), max
+allocated memory (Megatron's memory report, MiB), final loss (mean of the last quarter of logged losses),
+the log's ``experts:`` line (which GEMM backends ran). Each run is one ``torchrun`` bounded by
+``--run-timeout`` (killed with its workers, reported as timed out); results accumulate in
+``benchmarks/results/bench_megatron_pretrain_ep{N}.json`` / ``.md`` across invocations, so the runs can be
+spread over several calls:
+
+    python benchmarks/bench_megatron_pretrain.py --config deepseek_small --variants megatron_bf16 fp8_flow_alltoall
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import pathlib
 import re
+import signal
 import subprocess
-import sys
+import time
 
-import utils
-
-MODEL = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 8 --seq-length 1024 --max-position-embeddings "
-         "1024 --micro-batch-size 8 --global-batch-size 8 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine "
-         "--lr-warmup-iters 20 --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 1024 --moe-grouped-gemm "
-         "--bf16 --moe-token-dispatcher-type alltoall --swiglu --disable-bias-linear --transformer-impl local "
-         "--log-interval 10 --eval-iters 0 --eval-interval 100000 --no-persist-layer-norm "
-         "--no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-bias-dropout-fusion "
-         "--no-bias-swiglu-fusion").split()
-FP8_FLOW = ("--fp8-recipe blockwise --moe-fp8-flow --recompute-granularity selective "
-            "--recompute-modules moe_expert").split()
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMMON = ("--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion "
+          "--no-masked-softmax-fusion --no-bias-dropout-fusion --no-bias-swiglu-fusion --bf16 --swiglu "
+          "--disable-bias-linear --moe-grouped-gemm --moe-router-topk 8 --moe-aux-loss-coeff 1e-3 "
+          "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --lr 1e-4 --min-lr 1e-5 "
+          "--lr-decay-style cosine --lr-warmup-iters 5 --mock-data "
+          "--tokenizer-type NullTokenizer --vocab-size 32767 --log-interval 5 --eval-iters 0 "
+          "--eval-interval 100000").split()  # NullTokenizer's EOD id is --vocab-size: 32768 embeddings hold it
+CONFIGS = {
+    "deepseek_small": "--num-layers 4 --hidden-size 2048 --num-attention-heads 16 --num-experts 64 "
+                      "--moe-ffn-hidden-size 1024",
+    "deepseek_v3_slice": "--hidden-size 7168 --num-attention-heads 56 --num-experts 256 --moe-ffn-hidden-size 2048",
+}
+FP8_FLOW = "--fp8-format e4m3 --fp8-recipe blockwise --moe-fp8-flow"
+MOE_EXPERT = "--recompute-granularity selective --recompute-modules moe_expert"
+GROUPED_MM = str(ROOT / "benchmarks" / "megatron_grouped_mm.py")
+VARIANTS = {  # name -> (entry: a module for -m or a script path, flags)
+    "megatron_bf16": ("examples.pretrain_gpt", "--moe-token-dispatcher-type alltoall"),
+    "bf16_grouped_mm": (GROUPED_MM, "--moe-token-dispatcher-type alltoall"),
+    "fp8_flow_alltoall": ("examples.pretrain_gpt", f"{FP8_FLOW} --moe-token-dispatcher-type alltoall"),
+    "fp8_flow_deepep": ("examples.pretrain_gpt", f"{FP8_FLOW} --moe-token-dispatcher-type flex"),
+    "fp8_flow_alltoall_moe_expert": ("examples.pretrain_gpt",
+                                     f"{FP8_FLOW} --moe-token-dispatcher-type alltoall {MOE_EXPERT}"),
+    "fp8_flow_deepep_moe_expert": ("examples.pretrain_gpt", f"{FP8_FLOW} --moe-token-dispatcher-type flex {MOE_EXPERT}"),
+    "megatron_bf16_seed_control": ("examples.pretrain_gpt", "--moe-token-dispatcher-type alltoall"),
+}
+WARMUP_ITERS = 10  # iterations left out of the timing
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+) .*lm loss: ([\d.E+-]+)")
 MEM = re.compile(r"max allocated: ([\d.]+)")
 
 
-def run(flags, iters) -> dict:
-    cmd = ["torchrun", "--nproc_per_node", "1", "-m", "megatron_patches.pretrain_gpt", *MODEL,
-           "--train-iters", str(iters), *flags]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode:
-        sys.exit(out.stdout[-3000:] + out.stderr[-3000:])
-    logged = [(int(i), float(ms), float(loss)) for i, ms, loss in ITER.findall(out.stdout)]
+def v3_layers(gpus: int) -> int:
+    """DeepSeek-V3-slice layers that fit an H200 per rank: 64 local experts of 44M parameters per layer at EP=4."""
+    return 2 if gpus >= 8 else 1
+
+
+def command(config: str, variant: str, gpus: int, iters: int, seed: int = 1234) -> list[str]:
+    """The ``torchrun`` command of one run on ``gpus`` GPUs (EP = ``gpus``)."""
+    if config not in CONFIGS or variant not in VARIANTS:
+        raise ValueError(f"config must be one of {list(CONFIGS)} and variant one of {list(VARIANTS)}, "
+                         f"got {config!r}, {variant!r}")
+    entry, flags = VARIANTS[variant]
+    model = CONFIGS[config].split() + (["--num-layers", str(v3_layers(gpus))] if config == "deepseek_v3_slice" else [])
+    launch = [entry] if entry.endswith(".py") else ["-m", entry]
+    return ["torchrun", "--nproc_per_node", str(gpus), *launch, *COMMON, *model, *flags.split(),
+            "--expert-model-parallel-size", str(gpus), "--global-batch-size", str(gpus), "--train-iters", str(iters),
+            "--seed", str(seed + 1 if variant == "megatron_bf16_seed_control" else seed)]
+
+
+def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
+    """Megatron's iteration and memory log lines -> the run's row (tokens/s per GPU, max allocated MiB,
+    final loss, loss curve) and its ``experts:`` line."""
+    logged = [(int(i), float(ms), float(loss)) for i, ms, loss in ITER.findall(text)]
+    if not logged:
+        raise ValueError("no 'iteration ... lm loss' lines in the log")
+    steady = [ms for i, ms, _ in logged if i > WARMUP_ITERS] or [ms for _, ms, _ in logged]
     tail = logged[-max(1, len(logged) // 4):]
-    steady = [ms for i, ms, _ in logged if i > 20]
-    return dict(final_loss=sum(loss for *_, loss in tail) / len(tail), iter_ms=sum(steady) / len(steady),
-                peak_mib=max(float(m) for m in MEM.findall(out.stdout)), curve=[loss for *_, loss in logged])
+    iter_ms = sum(steady) / len(steady)
+    experts = [line.strip() for line in text.splitlines() if line.strip().startswith("experts: ")]
+    return dict(tokens_per_s_per_gpu=tokens_per_iter / iter_ms * 1e3 / gpus, iter_ms=iter_ms,
+                max_allocated_mib=max((float(m) for m in MEM.findall(text)), default=float("nan")),
+                final_loss=sum(loss for *_, loss in tail) / len(tail), curve=[loss for *_, loss in logged],
+                experts=experts[0] if experts else "")
+
+
+def run(cmd: list[str], timeout: float) -> tuple[str, str]:
+    """``(status, output)`` of ``cmd`` from the repository root; past ``timeout`` seconds the whole process
+    group (torchrun and its workers) is killed: status ``timed out``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return ("ok" if proc.returncode == 0 else f"exit {proc.returncode}"), out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return "timed out", proc.communicate()[0]
 
 
 def main():
+    import torch
+    import utils
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--train-iters", type=int, default=1000)
-    iters = parser.parse_args().train_iters
-    env = utils.environment()
-    tokens = 8 * 1024
-    seed = ["--seed", "1234"]
-    res = {"bf16_experts": run(seed, iters),
-           "fp8_flow_e4m3_moe_expert": run(seed + FP8_FLOW + ["--fp8-format", "e4m3"], iters),
-           "fp8_flow_hybrid_moe_expert": run(seed + FP8_FLOW + ["--fp8-format", "hybrid"], iters),
-           "bf16_experts_seed_1235 (control)": run(["--seed", "1235"], iters)}
-    base = res["bf16_experts"]["final_loss"]
-    rows = [dict(run=n, final_loss=r["final_loss"], relative_deviation=(r["final_loss"] - base) / base,
-                 iter_ms=r["iter_ms"], tokens_per_s=tokens / r["iter_ms"] * 1e3, peak_mib=r["peak_mib"])
-            for n, r in res.items()]
-    notes = (f"{iters} iterations, 4 layers, hidden 1024, 8 experts (ffn 1024), top-2, seq 1024, batch 8, seed 1234, "
-             "TransformerEngine absent (--transformer-impl local: dense layers BF16). Final loss: mean of the last "
-             "quarter of Megatron's logged losses (every 10 iterations). Loss curves (logged every 10): "
-             + "; ".join(f"{n}: " + ", ".join(f"{x:.3f}" for x in r["curve"]) for n, r in res.items()))
-    print(utils.write_results("bench_megatron_pretrain", "Megatron pretrain (megatron-core 0.19): BF16 vs FP8-Flow "
-                              "experts", env, {}, rows, list(rows[0]), notes=notes).read_text())
+    parser.add_argument("--config", choices=list(CONFIGS), default="deepseek_small")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--train-iters", type=int, default=40)
+    parser.add_argument("--run-timeout", type=float, default=540, help="seconds per run, torchrun included")
+    args = parser.parse_args()
+    gpus = torch.cuda.device_count()
+    env = dict(utils.environment(), gpus=gpus, expert_model_parallel_size=gpus,
+               deep_ep="importable" if _importable("deep_ep") else "absent: flex runs all-to-all",
+               deep_gemm="importable" if _importable("deep_gemm") else "absent")
+    name = f"bench_megatron_pretrain_ep{gpus}"
+    stored = utils.RESULTS_DIR / f"{name}.json"
+    rows = {(r["config"], r["variant"]): r for r in json.loads(stored.read_text())["results"]} if stored.exists() else {}
+    seq = int(COMMON[COMMON.index("--seq-length") + 1])
+    for variant in args.variants:
+        cmd = command(args.config, variant, gpus, args.train_iters)
+        began = time.perf_counter()
+        status, out = run(cmd, args.run_timeout)
+        row = dict(config=args.config, variant=variant, status=status, wall_s=time.perf_counter() - began,
+                   iters=args.train_iters, command=" ".join(cmd))
+        try:
+            row.update(parse_log(out, gpus * seq, gpus))
+        except ValueError:
+            row["log_tail"] = out[-2000:]
+        print(variant, status, {k: row.get(k) for k in ("tokens_per_s_per_gpu", "max_allocated_mib", "final_loss")},
+              flush=True)
+        rows[args.config, variant] = row
+    columns = ["config", "variant", "status", "tokens_per_s_per_gpu", "iter_ms", "max_allocated_mib", "final_loss",
+               "wall_s", "experts"]
+    notes = (f"EP = {gpus} GPUs, TransformerEngine absent (--transformer-impl local: attention and dense layers BF16), "
+             f"mock data, sequence {seq}, micro-batch 1 per GPU; timing excludes the first {WARMUP_ITERS} iterations. "
+             "Commands: the `command` field of each row in the JSON; docs/megatron.md.")
+    print(utils.write_results(name, f"Megatron pretrain at EP={gpus}: BF16 experts vs FP8-Flow", env, {},
+                              list(rows.values()), columns, notes=notes).read_text())
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 if __name__ == "__main__":

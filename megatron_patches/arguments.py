@@ -10,7 +10,7 @@ import argparse
 import importlib.util
 import warnings
 
-from .settings import MOE_EXPERT, FP8FlowView, fp8_flow_problems, raise_on_problems
+from .settings import MOE_EXPERT, FP8FlowView, fp8_flow_problems, raise_on_problems, unsupported_settings
 
 # Megatron-LM flags whose name is not "--" + the config field with dashes.
 _FLAGS = {
@@ -34,7 +34,7 @@ _HELP = (
 _FORMAT_HELP = (
     "FP8 format of the FP8-Flow experts (hybrid: E5M2 gradients); default: --fp8-format. "
     "Without TransformerEngine Megatron refuses --fp8-format with MoE layers: "
-    "megatron_patches.pretrain_gpt then moves --fp8-format here and trains the dense layers in BF16."
+    "examples.pretrain_gpt then moves --fp8-format here and trains the dense layers in BF16."
 )
 
 
@@ -80,6 +80,8 @@ def _view(args: argparse.Namespace) -> FP8FlowView:
         moe_router_topk=getattr(args, "moe_router_topk", None),
         hidden_size=getattr(args, "hidden_size", None),
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
+        moe_flex_dispatcher_backend=getattr(args, "moe_flex_dispatcher_backend", None),
+        unsupported=unsupported_settings(args),
     )
 
 

@@ -13,7 +13,14 @@ import importlib
 
 import torch
 
-from .settings import MOE_EXPERT, FP8FlowFields, FP8FlowView, fp8_flow_problems, raise_on_problems
+from .settings import (
+    MOE_EXPERT,
+    FP8FlowFields,
+    FP8FlowView,
+    fp8_flow_problems,
+    raise_on_problems,
+    unsupported_settings,
+)
 
 SUPPORTED_MEGATRON_CORE = "megatron-core 0.16.1 or 0.19.x"
 
@@ -60,6 +67,8 @@ def _view(config) -> FP8FlowView:
         moe_router_topk=config.moe_router_topk,
         hidden_size=config.hidden_size,
         moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+        moe_flex_dispatcher_backend=config.moe_flex_dispatcher_backend,
+        unsupported=unsupported_settings(config),
     )
 
 

@@ -5,6 +5,10 @@ of them with its host equivalent; ``apply_cpu_shims()`` installs them only when
 ``torch.cuda.is_available()`` is False, and installing twice changes nothing. With a GPU none of
 them is ever active. Checked on megatron-core 0.16.1 (torch 2.13.0+cpu, gloo); the names patched
 exist unchanged in 0.19.2.
+
+They replace ``torch.cuda.current_device`` and ``torch.cuda.synchronize`` for the whole process, so
+only a CPU entry point installs them, by calling ``apply_cpu_shims()`` itself (``examples.compact_loop``,
+tests that build Megatron models on the CPU); ``megatron_patches.apply()`` never does.
 """
 
 import contextlib

@@ -24,6 +24,8 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+from transformer_engine_moe.ops.permute import routing_map_to_topk
+
 from .config import _MARK
 from .settings import MOE_EXPERT
 
@@ -152,7 +154,7 @@ class FP8FlowMoELayer(MoELayer):
 
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
                  pg_collection=None, **kwargs):
-        from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+        from megatron.core.transformer.moe.moe_utils import MoECudaGraphTensorStore, get_default_pg_collection
 
         if submodules is None:
             raise TypeError("FP8FlowMoELayer: submodules (MoESubmodules) is required")
@@ -172,24 +174,25 @@ class FP8FlowMoELayer(MoELayer):
         self.router = submodules.router(config=config, pg_collection=pg_collection, **mtp)
         self.experts = submodules.experts(config, self.num_local_experts, pg_collection)
         self.is_first_microbatch = True
+        self._phase: Optional[_PhaseState] = None
+        self.cudagraph_tensor_store = MoECudaGraphTensorStore()  # read by Megatron's route() under CUDA graphs
         self._register_load_state_dict_pre_hook(_drop_extra_states)
         if self.use_shared_expert:
             self.shared_experts = _build_shared_experts(submodules.shared_experts, config,
                                                         pg_collection)
 
-    def _moe(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor]):
-        """``[S, B, H]`` -> ``[S, B, H]``: route, expert block, shared experts."""
-        shared = None
-        if self.use_shared_expert:
-            if self.shared_experts_recompute:
-                shared = tensor_parallel.checkpoint(self.shared_experts, False, hidden_states)
-            else:
-                shared = self.shared_experts(hidden_states)
-        probs, routing_map = self.router(hidden_states, padding_mask)
-        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+    def _take_first_microbatch(self) -> Optional[bool]:
+        """The block's ``is_first_microbatch`` for this forward (None: no FP8 weight cache); False after it."""
         cache = not self.config.disable_parameter_transpose_cache
         first, self.is_first_microbatch = self.is_first_microbatch if cache else None, False
-        output = self.experts(tokens, probs, routing_map, is_first_microbatch=first)
+        return first
+
+    def _moe(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor]):
+        """``[S, B, H]`` -> ``[S, B, H]``: shared experts, route, the whole expert block."""
+        shared = self.shared_experts_compute(hidden_states)
+        probs, routing_map = self.route(hidden_states, padding_mask)
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        output = self.experts(tokens, probs, routing_map, is_first_microbatch=self._take_first_microbatch())
         output = output.view(hidden_states.shape)
         return output if shared is None else output + shared
 
@@ -206,6 +209,68 @@ class FP8FlowMoELayer(MoELayer):
         else:
             output = self._moe(hidden_states, padding_mask)
         return output, None
+
+    # ------------------------------------------------------------ Megatron's MoE phases
+    # MoELayer's phase methods, for Megatron's callers that run the layer phase by phase, mapped onto the
+    # block's: preprocess -> FP8FlowMoE.quantize, dispatch -> .dispatch, routed_experts_compute -> .experts
+    # (inside the moe_expert recompute), combine -> .combine. route, shared_experts_compute are Megatron's.
+    # In sequence they compute what forward computes, bit for bit (tests/megatron/test_phases.py).
+    def _state(self, phase: str) -> "_PhaseState":
+        if self._phase is None:
+            raise RuntimeError(f"FP8FlowMoELayer.{phase}: run the phases in Megatron's order, from preprocess "
+                               "(route -> preprocess -> dispatch -> routed_experts_compute -> combine -> postprocess)")
+        return self._phase
+
+    def preprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+        """``hidden_states [S, B, H]`` (or ``[T, H]``) BF16/FP32, the router's ``probs [T, E]`` and
+        ``routing_map [T, E]`` -> ``(tokens, topk_probs)``: ``tokens [T, H]`` 1x128 FP8
+        (``FP8FlowMoE.quantize`` of the BF16 tokens), ``topk_probs [T, k]`` float32. The top-k ids and the
+        input's shape and dtype stay with the layer."""
+        missing = [m for m in ("quantize", "dispatch", "experts", "combine") if not hasattr(self.experts, m)]
+        if missing:
+            raise TypeError(f"FP8FlowMoELayer's phase methods need the block's phases; "
+                            f"{type(self.experts).__name__} lacks {missing} (forward needs none of them)")
+        if hidden_states.dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"hidden_states must be BF16 or FP32, got {hidden_states.dtype}")
+        topk_ids, topk_probs = routing_map_to_topk(probs, routing_map, self.experts.topk)
+        self._phase = _PhaseState(hidden_states.shape, hidden_states.dtype, topk_ids)
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1]).to(torch.bfloat16)
+        return self.experts.quantize(tokens), topk_probs
+
+    def router_and_preprocess(self, hidden_states: torch.Tensor):
+        """``route`` then ``preprocess`` (Megatron's deprecated combination) -> ``(tokens, topk_probs)``."""
+        return self.preprocess(hidden_states, *self.route(hidden_states))
+
+    def dispatch(self, hidden_states, probs: torch.Tensor):
+        """``preprocess``'s ``(tokens, topk_probs)`` -> the ``(tokens [R, H] FP8, topk_probs [R, k])`` this
+        rank's experts receive (``FP8FlowMoE.dispatch``); the local top-k ids, tokens per expert and the
+        dispatch handle stay with the layer."""
+        state = self._state("dispatch")
+        res = self.experts.dispatch(hidden_states, state.topk_ids, probs)
+        state.topk_ids, state.tokens_per_expert, state.handle = res.topk_ids, res.tokens_per_expert, res.handle
+        return res.hidden, res.topk_probs
+
+    def routed_experts_compute(self, hidden_states, probs: torch.Tensor):
+        """The received ``(tokens [R, H], topk_probs [R, k])`` -> ``(output [R, H] BF16, None)``:
+        ``FP8FlowMoE.experts`` with the FP8 weight cache, inside the ``moe_expert`` recompute when set."""
+        state = self._state("routed_experts_compute")
+        experts = _experts_phase(self.experts, state.tokens_per_expert, self._take_first_microbatch())
+        if self.experts.recompute == MOE_EXPERT:
+            output = torch.utils.checkpoint.checkpoint(experts, hidden_states, state.topk_ids, probs,
+                                                       use_reentrant=False)
+        else:
+            output = experts(hidden_states, state.topk_ids, probs)
+        return output, None
+
+    def combine(self, output: torch.Tensor) -> torch.Tensor:
+        """``[R, H]`` -> ``[T, H]`` BF16: each token's experts summed back (``FP8FlowMoE.combine``)."""
+        return self.experts.combine(output, self._state("combine").handle)
+
+    def postprocess(self, output: torch.Tensor, shared_expert_output: Optional[torch.Tensor]):
+        """``[T, H]`` -> ``[S, B, H]`` in the layer input's dtype, plus the shared experts' output."""
+        state, self._phase = self._state("postprocess"), None
+        output = output.to(state.dtype).view(state.shape)
+        return output if shared_expert_output is None else output + shared_expert_output
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Megatron's distributed-checkpoint view; the block's weights under the sharded keys of
@@ -257,6 +322,32 @@ class FP8FlowMoELayer(MoELayer):
                                   "delay_wgrad_compute is not supported with moe_fp8_flow")
 
 
+@dataclasses.dataclass(slots=True)
+class _PhaseState:
+    """What ``FP8FlowMoELayer``'s phases pass one another besides Megatron's ``(hidden, probs)`` pairs, as
+    Megatron's token dispatcher keeps its routing state: the layer input's ``shape`` and ``dtype``,
+    ``topk_ids [T, k]`` (global expert ids; after dispatch ``[R, k]`` local ones), the host list
+    ``tokens_per_expert`` of the local experts and the dispatch ``handle`` combine needs."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    topk_ids: torch.Tensor
+    tokens_per_expert: Optional[list] = None
+    handle: object = None
+
+
+def _experts_phase(block, tokens_per_expert: list, first: Optional[bool]):
+    """``block.experts`` as a function of tensors ``(hidden, topk_ids, topk_probs)``: the first call gets
+    ``first`` (the FP8 weight-cache flag), later ones (the ``moe_expert`` rerun) reuse the cached weights."""
+
+    def experts(hidden, topk_ids, topk_probs):
+        nonlocal first
+        flag, first = first, None if first is None else False
+        return block.experts(hidden, topk_ids, topk_probs, tokens_per_expert, flag)
+
+    return experts
+
+
 def _drop_extra_states(state_dict, prefix, *args) -> None:
     """Load pre-hook: drop the experts' ``_extra_state`` entries of ``sharded_state_dict`` (always
     None, written for stock models' sake); the block has no module state to put them in."""
@@ -297,45 +388,52 @@ def _build_shared_experts(spec, config, pg_collection):
     return spec(config=config, pg_collection=pg_collection, gate=config.moe_shared_expert_gate)
 
 
-def _swap_mlp(mlp, block_builder: ExpertBlockBuilder):
-    """The FP8-Flow version of one layer's ``mlp`` spec, or None if it is not an MoE layer."""
+def _swap_mlp(mlp, experts, layer_class):
+    """``mlp`` as ``layer_class`` with ``experts``, or None if it is not Megatron's MoE layer spec."""
     if isinstance(mlp, ModuleSpec) and mlp.module is MoELayer:  # megatron-core 0.16
-        submodules = dataclasses.replace(mlp.submodules, experts=block_builder)
-        return dataclasses.replace(mlp, module=FP8FlowMoELayer, submodules=submodules)
+        submodules = dataclasses.replace(mlp.submodules, experts=experts)
+        return dataclasses.replace(mlp, module=layer_class, submodules=submodules)
     if isinstance(mlp, functools.partial) and mlp.func is MoELayer:  # megatron-core 0.19
         keywords = dict(mlp.keywords)
-        keywords["submodules"] = dataclasses.replace(keywords["submodules"],
-                                                     experts=block_builder)
-        return functools.partial(FP8FlowMoELayer, *mlp.args, **keywords)
+        keywords["submodules"] = dataclasses.replace(keywords["submodules"], experts=experts)
+        return functools.partial(layer_class, *mlp.args, **keywords)
     return None
 
 
-def _swap_layer(layer_spec, block_builder: ExpertBlockBuilder):
+def _swap_layer(layer_spec, experts, layer_class):
     submodules = getattr(layer_spec, "submodules", None)
-    mlp = _swap_mlp(getattr(submodules, "mlp", None), block_builder)
+    mlp = _swap_mlp(getattr(submodules, "mlp", None), experts, layer_class)
     if mlp is None:
         return layer_spec, False
     return dataclasses.replace(layer_spec,
                                submodules=dataclasses.replace(submodules, mlp=mlp)), True
 
 
-def fp8_flow_layer_spec(spec, config, block_builder: ExpertBlockBuilder = build_fp8_flow_block):
-    """A copy of ``spec`` whose MoE layers are ``FP8FlowMoELayer`` when ``config.moe_fp8_flow``.
+def replace_moe_experts(spec, experts, layer_class=MoELayer):
+    """A copy of ``spec`` whose MoE layers are ``layer_class`` with ``MoESubmodules.experts = experts``.
 
-    ``spec``: a transformer-layer ``ModuleSpec`` or ``TransformerBlockSubmodules`` (with
-    ``layer_specs``) from Megatron's GPT spec helpers; returned unchanged when
-    ``config.moe_fp8_flow`` is False. Raises ValueError when FP8-Flow is on but no layer is MoE.
+    ``spec``: a transformer-layer ``ModuleSpec`` or ``TransformerBlockSubmodules`` (with ``layer_specs``)
+    from Megatron's GPT spec helpers, in 0.16's ``ModuleSpec`` or 0.19's ``functools.partial`` form;
+    ``experts``: what Megatron's ``MoELayer`` builds the experts from (``layer_class`` MoELayer) or an
+    ``ExpertBlockBuilder`` (``FP8FlowMoELayer``). Dense layers stay as they are. Raises ValueError when
+    no layer is an MoE layer.
     """
-    if not config.moe_fp8_flow:
-        return spec
     if hasattr(spec, "layer_specs"):
-        swapped = [_swap_layer(layer, block_builder) for layer in spec.layer_specs]
+        swapped = [_swap_layer(layer, experts, layer_class) for layer in spec.layer_specs]
         found = any(done for _, done in swapped)
         spec = dataclasses.replace(spec, layer_specs=[layer for layer, _ in swapped])
     else:
-        spec, found = _swap_layer(spec, block_builder)
+        spec, found = _swap_layer(spec, experts, layer_class)
     if not found:
-        raise ValueError("moe_fp8_flow: the layer spec has no MoELayer to replace; build the spec "
-                         "with num_experts set (get_gpt_layer_local_spec / _with_transformer_"
-                         "engine_spec / get_gpt_decoder_block_spec)")
+        raise ValueError("the layer spec has no MoELayer to replace; build the spec with num_experts set "
+                         "(get_gpt_layer_local_spec / _with_transformer_engine_spec / get_gpt_decoder_block_spec)")
     return spec
+
+
+def fp8_flow_layer_spec(spec, config, block_builder: ExpertBlockBuilder = build_fp8_flow_block):
+    """A copy of ``spec`` whose MoE layers are ``FP8FlowMoELayer`` (experts: ``block_builder``) when
+    ``config.moe_fp8_flow``; ``spec`` unchanged otherwise. ValueError when FP8-Flow is on but no layer is
+    MoE (``replace_moe_experts``)."""
+    if not config.moe_fp8_flow:
+        return spec
+    return replace_moe_experts(spec, block_builder, FP8FlowMoELayer)

@@ -4,8 +4,8 @@ One rule set serves both the command line (``arguments.py``, messages name ``--f
 ``TransformerConfig`` (``config.py``, messages name fields), so they cannot drift apart.
 """
 
-from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional, Sequence
 
 # The recompute module FP8-Flow adds: keep only the FP8 dispatched input of the expert block and
 # recompute permute -> fc1 -> SwiGLU in backward (never re-dispatch).
@@ -14,6 +14,32 @@ MOE_EXPERT = "moe_expert"
 # Megatron's --moe-token-dispatcher-type values the FP8-Flow block can stand in for:
 # all-to-all over the expert-parallel group, or DeepEP ("flex") when it is importable.
 FP8_FLOW_DISPATCHERS = ("alltoall", "flex")
+
+_NO_DELAYED_WGRAD = "the FP8-Flow block computes its weight gradients in its backward (no backward_dw to delay)"
+_DISPATCHER_REPLACED = "FP8-Flow replaces Megatron's token dispatcher, where this happens"
+_ROUTER_PADDING = ("FP8-Flow aligns each expert's tokens itself (to 128 rows); the router's padding would route "
+                   "tokens to more than top-k experts")
+# Megatron settings FP8FlowMoELayer cannot honour: refused by name when set (field -> why), never ignored.
+UNSUPPORTED_WITH_FP8_FLOW = {
+    "overlap_moe_expert_parallel_comm": (
+        "Megatron's EP-overlap schedule (combined 1F1B, fine_grained_callables) runs the MoE phases as "
+        "separate schedule nodes on CUDA streams, detaches every tensor between them and reaches into the "
+        "token dispatcher (flex: its DeepEP comm manager); FP8-Flow's dispatch hands an FP8 tensor and a "
+        "dispatch handle to its experts and combine, which that schedule does not carry"),
+    "delay_wgrad_compute": _NO_DELAYED_WGRAD,
+    "overlap_dispatch_backward_with_experts_wgrad": _NO_DELAYED_WGRAD,
+    "moe_shared_expert_overlap": (
+        "the shared experts would overlap with Megatron's token dispatcher, which FP8-Flow replaces; "
+        "without it they run before routing"),
+    "moe_pad_expert_input_to_capacity": (
+        "FP8-Flow pads each expert's tokens to a multiple of 128 rows, not to the capacity (token dropping "
+        "with moe_expert_capacity_factor alone works)"),
+    "moe_expert_rank_capacity_factor": f"per-rank token dropping: {_DISPATCHER_REPLACED}",
+    "moe_router_padding_for_quantization": _ROUTER_PADDING,
+    "moe_router_padding_for_fp8": _ROUTER_PADDING,
+    "moe_apply_probs_on_input": "FP8-Flow applies the router probabilities in its fused SwiGLU, on fc1's output",
+    "moe_latent_size": "FP8FlowMoELayer builds no MoE latent projections (TransformerEngine linears)",
+}
 
 
 @dataclass
@@ -50,6 +76,9 @@ class FP8FlowView:
     moe_router_topk: Optional[int] = None
     hidden_size: Optional[int] = None
     moe_ffn_hidden_size: Optional[int] = None
+    moe_flex_dispatcher_backend: Optional[str] = None
+    unsupported: Mapping[str, object] = field(default_factory=dict)
+    """The settings of ``UNSUPPORTED_WITH_FP8_FLOW`` that are set: field -> value."""
 
 
 def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
@@ -80,12 +109,12 @@ def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
         )
     if not view.moe_fp8_flow:
         return problems
-    for field in ("hidden_size", "moe_ffn_hidden_size"):
-        size = getattr(view, field)
+    for setting in ("hidden_size", "moe_ffn_hidden_size"):
+        size = getattr(view, setting)
         if size is not None and size % 128:
             problems.append(
                 f"{name('moe_fp8_flow')} quantizes the experts' weights in 128x128 blocks: "
-                f"{name(field)} must be a multiple of 128 (got {size})"
+                f"{name(setting)} must be a multiple of 128 (got {size})"
             )
     if not view.num_moe_experts:
         problems.append(f"{name('moe_fp8_flow')} requires {name('num_moe_experts')} (MoE layers)")
@@ -106,6 +135,14 @@ def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
         )
     if not view.moe_grouped_gemm:
         problems.append(f"{name('moe_fp8_flow')} requires {name('moe_grouped_gemm')}")
+    for setting, value in view.unsupported.items():
+        problems.append(f"{name('moe_fp8_flow')} does not support {name(setting)} (got {value!r}; expected it "
+                        f"unset): {UNSUPPORTED_WITH_FP8_FLOW[setting]}")
+    if view.moe_token_dispatcher_type == "flex" and view.moe_flex_dispatcher_backend not in (None, "deepep"):
+        problems.append(
+            f"{name('moe_token_dispatcher_type')} 'flex' runs FP8-Flow's DeepEP dispatcher (all-to-all "
+            f"without DeepEP): {name('moe_flex_dispatcher_backend')} must be 'deepep' "
+            f"(got {view.moe_flex_dispatcher_backend!r})")
     if view.moe_token_dispatcher_type not in FP8_FLOW_DISPATCHERS:
         problems.append(
             f"{name('moe_fp8_flow')} dispatches FP8 tokens all-to-all: "
@@ -119,6 +156,12 @@ def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
             f"{name('moe_fp8_flow')} experts have no bias: set {name('add_bias_linear')}"
         )
     return problems
+
+
+def unsupported_settings(source) -> dict:
+    """``{field: value}`` of the ``UNSUPPORTED_WITH_FP8_FLOW`` settings ``source`` (argparse args or a
+    TransformerConfig) sets; settings the installed Megatron lacks count as unset."""
+    return {f: getattr(source, f) for f in UNSUPPORTED_WITH_FP8_FLOW if getattr(source, f, None)}
 
 
 def raise_on_problems(problems: list, where: str) -> None:

@@ -49,3 +49,27 @@ def assert_no_host_sync(step) -> None:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture(scope="module")
+def world_of_one():
+    """A one-rank process group (NCCL on a GPU, else gloo) with Megatron's model-parallel state, the patches
+    applied and, on a CPU, the CPU shims installed (tests build Megatron models)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    import megatron_patches
+    from megatron_patches.cpu_shims import apply_cpu_shims
+
+    megatron_patches.apply()
+    apply_cpu_shims()
+    dist.init_process_group("nccl" if CUDA else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    parallel_state.initialize_model_parallel()
+    if CUDA:
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(1234)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()

@@ -56,9 +56,11 @@ def _rank(rank, world, port, ep, job, root):
     from megatron.core import dist_checkpointing, parallel_state
 
     import megatron_patches
+    from megatron_patches.cpu_shims import apply_cpu_shims
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     megatron_patches.apply()
+    apply_cpu_shims()
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(expert_model_parallel_size=ep)
     if job == "save_flow":

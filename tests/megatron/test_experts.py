@@ -6,10 +6,8 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install megatron-core==0.16.1)")
 
 import torch
-import torch.distributed as dist
 
-import megatron_patches
-from conftest import CUDA, free_port, requires_cuda
+from conftest import CUDA, requires_cuda
 
 DEVICE = "cuda" if CUDA else "cpu"
 
@@ -46,24 +44,6 @@ class _RecordingBlock(_ReferenceBlock):
     def forward(self, hidden_states, probs, routing_map, is_first_microbatch=None):
         self.flags.append(is_first_microbatch)
         return super().forward(hidden_states, probs, routing_map)
-
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    from megatron.core import parallel_state
-
-    megatron_patches.apply()
-    port = free_port()
-    dist.init_process_group("nccl" if CUDA else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
-    parallel_state.initialize_model_parallel()
-    if CUDA:
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(1234)
-    yield
-    parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _config(**overrides):

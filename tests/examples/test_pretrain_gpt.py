@@ -1,4 +1,4 @@
-"""Two-step training runs through ``python -m megatron_patches.pretrain_gpt`` (compact CPU loop):
+"""Two-step training runs through ``python -m examples.pretrain_gpt`` (compact CPU loop):
 world size 1, expert parallelism 2 under gloo (spawned), checkpoint round trip of expert weights."""
 
 import pytest
@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import free_port
-from megatron_patches import pretrain_gpt
+from examples import pretrain_gpt
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the compact loop is the CPU path (GPU: megatron.training)")
@@ -36,10 +36,12 @@ def _summary(path):
     return summary
 
 
-def test_two_steps_world_size_1(tmp_path):
+def test_two_steps_world_size_1(tmp_path, capsys):
     pretrain_gpt.main(MODEL + ["--summary-json", str(tmp_path / "s.json")])
     summary = _summary(tmp_path / "s.json")
     assert summary["world_size"] == 1 and not summary["moe_fp8_flow"]
+    assert "no --data-path or --mock-data given: the Python standard library" in capsys.readouterr().out
+    assert summary["expert_path"] == "experts: Megatron's SequentialMLP on cpu (plain torch matmuls)"
 
 
 def test_two_steps_expert_parallel_2_and_checkpoint_round_trip(tmp_path):
@@ -76,7 +78,7 @@ FP8_MODEL = [a if a != "64" else "128" for a in MODEL] + ["--moe-ffn-hidden-size
 def test_fp8_flow_experts_are_in_use(tmp_path, monkeypatch):
     """Two steps with the full FP8-Flow flag set: the MoE layers are FP8FlowMoELayer with an FP8FlowMoE block,
     and every GroupedLinear call receives a Float8BlockwiseQTensor (fc1 from permute, fc2 from SwiGLU+quant)."""
-    from megatron_patches import compact_loop
+    from examples import compact_loop
     from megatron_patches.experts import FP8FlowMoELayer
     from transformer_engine_moe import FP8FlowMoE, Float8BlockwiseQTensor, GroupedLinear
 
@@ -90,8 +92,8 @@ def test_fp8_flow_experts_are_in_use(tmp_path, monkeypatch):
     monkeypatch.setattr(GroupedLinear, "forward", record)
     build = compact_loop.build_model
 
-    def build_and_record(args):
-        model = build(args)
+    def build_and_record(args, vocab_size):
+        model = build(args, vocab_size)
         layers.extend(m for m in model.modules() if isinstance(m, FP8FlowMoELayer))
         return model
 
@@ -99,6 +101,7 @@ def test_fp8_flow_experts_are_in_use(tmp_path, monkeypatch):
     pretrain_gpt.main(FP8_MODEL + FP8_FLOW + ["--summary-json", str(tmp_path / "s.json")])
     summary = _summary(tmp_path / "s.json")
     assert summary["moe_fp8_flow"]
+    assert summary["expert_path"].startswith("experts: FP8-Flow on cpu: the plain-PyTorch reference ops")
     assert len(layers) == 2 and all(isinstance(layer.experts, FP8FlowMoE) for layer in layers)
     assert layers[0].experts.recompute == "moe_expert"
     # 2 layers x 2 GEMMs x 2 steps, plus the moe_expert recompute in backward
@@ -120,14 +123,17 @@ def test_fp8_flow_two_steps_expert_parallel_2(tmp_path):
 
 
 def _reduce_grads_rank(rank, world, port, out):
-    from megatron_patches import apply, compact_loop
+    from examples import compact_loop
+    from megatron_patches import apply
+    from megatron_patches.cpu_shims import apply_cpu_shims
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     args = compact_loop.parse_args(FP8_MODEL + FP8_FLOW + ["--expert-model-parallel-size", "2"])
     apply()
+    apply_cpu_shims()
     compact_loop._init_distributed(args)
     torch.manual_seed(args.seed)
-    model = compact_loop.build_model(args)
+    model = compact_loop.build_model(args, 256)
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(rank))
     model(tokens, torch.arange(64).expand(2, -1), None, labels=tokens).float().mean().backward()
     before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

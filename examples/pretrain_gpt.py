@@ -1,11 +1,12 @@
-"""``python -m megatron_patches.pretrain_gpt <Megatron args>``: GPT-MoE pretraining with FP8-Flow.
+"""``python -m examples.pretrain_gpt <Megatron args>``: GPT-MoE pretraining with FP8-Flow.
 
 Where ``megatron.training`` is importable (megatron-core >= 0.19, or a Megatron-LM checkout of
 that API), the patches are applied and Megatron's own ``pretrain`` runs with our
-``extra_args_provider``, a layer spec passed through ``fp8_flow_layer_spec``, and the standard
-library's sources as byte tokens (``--tokenizer-type NullTokenizer --vocab-size 256`` are the
-defaults). Otherwise (megatron-core 0.16.1) ``compact_loop`` trains on the CPU with the same
-argument names for the subset it implements.
+``extra_args_provider``, a layer spec passed through ``fp8_flow_layer_spec``, and the data Megatron's
+arguments name (``megatron_data``: ``--data-path`` / ``--mock-data`` and ``--tokenizer-type``;
+without them the standard library's sources as byte tokens, ``--tokenizer-type NullTokenizer
+--vocab-size 256`` being the defaults). Otherwise (megatron-core 0.16.1) ``compact_loop`` trains on
+the CPU with the same argument names for the subset it implements.
 """
 
 import functools
@@ -15,37 +16,26 @@ import sys
 
 import torch
 
-from . import apply
-from .arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
-from .data import VOCAB_SIZE, ByteStream, stdlib_bytes
+from megatron_patches import apply
+from megatron_patches.arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
+from megatron_patches.experts import fp8_flow_layer_spec
 
+from .data import VOCAB_SIZE
+from .expert_path import expert_path
+from .megatron_data import data_source, train_valid_test_datasets
 
-class _StdlibTextDataset(torch.utils.data.Dataset):
-    """``num_samples`` windows of ``ByteStream`` from ``offset`` as Megatron GPT batches
-    (``tokens``, ``labels``, ``loss_mask``, ``position_ids``, each ``[seq_length]``)."""
-
-    def __init__(self, stream: ByteStream, offset: int, num_samples: int):
-        self.stream, self.offset, self.num_samples = stream, offset, num_samples
-
-    def __len__(self):
-        return self.num_samples
-
-    def __getitem__(self, index):
-        tokens, labels = self.stream.batch(self.offset + index, 1)
-        return {"tokens": tokens[0], "labels": labels[0],
-                "loss_mask": torch.ones(tokens.shape[1]),
-                "position_ids": torch.arange(tokens.shape[1])}
+STDLIB_TEXT_BYTES = 64 << 20  # the standard library's bytes used without data arguments
 
 
 def _datasets_provider(num_samples, vp_stage=None):
-    """Train / valid / test datasets: disjoint ranges of the standard-library byte stream (None for a
-    split of 0 samples: Megatron builds no loader for it)."""
+    """Megatron's train / valid / test datasets from its data arguments (``megatron_data``; None for a
+    split of 0 samples: Megatron builds no loader for it); rank 0 logs which data it is."""
     from megatron.training import get_args
+    from megatron.training.utils import print_rank_0
 
-    args = get_args()
-    stream = ByteStream(stdlib_bytes(64 << 20), args.seq_length)
-    offsets = (0, num_samples[0], num_samples[0] + num_samples[1])
-    return tuple(_StdlibTextDataset(stream, o, n) if n else None for o, n in zip(offsets, num_samples))
+    datasets, _, described = train_valid_test_datasets(get_args(), num_samples, STDLIB_TEXT_BYTES)
+    print_rank_0(described)
+    return datasets
 
 
 def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -58,17 +48,21 @@ def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
 
 
 def _forward_step(data_iterator, model):
-    batch = {k: v.cuda(non_blocking=True) for k, v in next(data_iterator).items()}
+    if not hasattr(model, "_expert_path"):  # said once per model chunk: which code runs the experts
+        from megatron.training.utils import print_rank_0
+
+        model._expert_path = expert_path(model)
+        print_rank_0(model._expert_path)
+    sample = next(data_iterator)
+    batch = {k: sample[k].cuda(non_blocking=True) for k in ("tokens", "labels", "loss_mask", "position_ids")}
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, functools.partial(_loss, batch["loss_mask"])
 
 
-def _fp8_flow_spec_builder(base):
+def _spec_builder(base, layer_spec):
     """A ``GPTModelConfig.transformer_layer_spec`` callable: Megatron's spec (``base``: None for
-    the default, a spec, or a callable), then ``fp8_flow_layer_spec``."""
+    the default, a spec, or a callable), then ``layer_spec(spec, transformer_config)``."""
     from megatron.training.models.gpt import default_layer_spec
-
-    from .experts import fp8_flow_layer_spec
 
     def build(model_config, vp_stage=None):
         spec = base
@@ -77,7 +71,7 @@ def _fp8_flow_spec_builder(base):
         elif callable(spec) and not hasattr(spec, "submodules"):
             takes_vp = "vp_stage" in inspect.signature(spec).parameters
             spec = spec(model_config, vp_stage=vp_stage) if takes_vp else spec(model_config)
-        return fp8_flow_layer_spec(spec, model_config.transformer)
+        return layer_spec(spec, model_config.transformer)
 
     return build
 
@@ -91,8 +85,10 @@ def _use_prebuilt_dataset_helpers() -> None:
         utils.compile_helpers = lambda: None
 
 
-def megatron_pretrain() -> None:
-    """Megatron's own ``pretrain`` (megatron-core 0.19 API) with the FP8-Flow patches."""
+def megatron_pretrain(layer_spec=fp8_flow_layer_spec) -> None:
+    """Megatron's own ``pretrain`` (megatron-core 0.19 API) with the FP8-Flow patches; the layer spec is
+    Megatron's passed through ``layer_spec(spec, config)`` (default ``fp8_flow_layer_spec``: FP8-Flow
+    layers when ``--moe-fp8-flow``; benchmarks swap in other experts)."""
     apply()
     _use_prebuilt_dataset_helpers()
     from megatron.core.enums import ModelType
@@ -106,9 +102,9 @@ def megatron_pretrain() -> None:
         args_defaults={"tokenizer_type": "NullTokenizer", "vocab_size": VOCAB_SIZE})
     validate_fp8_flow_args(args)
     resolve_fp8_flow_format(args)
+    data_source(args)  # clashing data arguments fail before the model is built
     model_config = gpt_config_from_args(args)
-    model_config.transformer_layer_spec = _fp8_flow_spec_builder(
-        model_config.transformer_layer_spec)
+    model_config.transformer_layer_spec = _spec_builder(model_config.transformer_layer_spec, layer_spec)
     _datasets_provider.is_distributed = True
     pretrain(pretrain_cfg_container_from_args(args, model_config), _datasets_provider,
              ModelType.encoder_or_decoder, _forward_step)

@@ -4,10 +4,11 @@ Takes Megatron-LM's argument names for the subset it implements (``build_parser`
 any other flag by name. One process per rank (``torchrun`` or spawned with RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT; a lone process needs none). Tensor and pipeline parallelism are 1;
 expert parallelism splits the experts over ``--expert-model-parallel-size`` ranks (gloo
-all-to-all / all-gather), data parallelism spans the world. Data: ``data.ByteStream`` over the
-standard library's sources. Optimizer: ``torch.optim.AdamW`` on FP32 parameters, gradients
+all-to-all / all-gather), data parallelism spans the world. Data: Megatron's data arguments
+(``megatron_data``: indexed datasets, mock data, tokenizers), else the standard library's bytes. Optimizer: ``torch.optim.AdamW`` on FP32 parameters, gradients
 averaged over the data-parallel group (experts: over the expert-data-parallel group).
-Checkpoints: ``torch.save`` of model and optimizer state per expert-parallel rank.
+Checkpoints: ``torch.save`` of model and optimizer state per expert-parallel rank. ``train`` applies
+``megatron_patches`` and, on a machine without CUDA, installs ``megatron_patches.cpu_shims``.
 """
 
 import argparse
@@ -22,15 +23,19 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import apply
-from .arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
-from .data import VOCAB_SIZE, ByteStream, stdlib_bytes
+from megatron_patches import apply
+from megatron_patches.arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
+from megatron_patches.cpu_shims import apply_cpu_shims
+
+from .expert_path import expert_path
+from .megatron_data import add_data_args, data_source, train_valid_test_datasets
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Megatron-LM's flags for what the compact loop implements, plus FP8-Flow's and two of
-    its own (``--summary-json``, ``--text-max-bytes``)."""
-    p = argparse.ArgumentParser(prog="python -m megatron_patches.pretrain_gpt",
+    """Megatron-LM's flags for what the compact loop implements (data and tokenizer flags:
+    ``megatron_data.add_data_args``), plus FP8-Flow's and two of its own (``--summary-json``,
+    ``--text-max-bytes``)."""
+    p = argparse.ArgumentParser(prog="python -m examples.pretrain_gpt",
                                 description="Compact GPT-MoE pretraining on megatron.core (CPU)",
                                 allow_abbrev=False)
     g = p.add_argument_group("model")
@@ -90,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--summary-json", default=None,
                    help="write final loss, loss curve, tokens/s and peak memory here (rank 0)")
     g.add_argument("--text-max-bytes", type=int, default=8 << 20,
-                   help="bytes of standard-library source to train on (default 8 MiB)")
-    return add_fp8_flow_args(p)
+                   help="bytes of standard-library source to train on without data arguments (default 8 MiB)")
+    return add_fp8_flow_args(add_data_args(p))
 
 
 def parse_args(argv) -> argparse.Namespace:
@@ -116,6 +121,7 @@ def parse_args(argv) -> argparse.Namespace:
     try:
         validate_fp8_flow_args(args)
         resolve_fp8_flow_format(args)
+        data_source(args)
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -140,13 +146,14 @@ def _init_distributed(args) -> None:
         expert_model_parallel_size=args.expert_model_parallel_size)
 
 
-def build_model(args):
-    """GPTModel with MoE in every layer (local spec; FP8-Flow block when ``--moe-fp8-flow``)."""
+def build_model(args, vocab_size: int):
+    """GPTModel with MoE in every layer (local spec; FP8-Flow block when ``--moe-fp8-flow``) over a
+    vocabulary of ``vocab_size``."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from .experts import fp8_flow_layer_spec
+    from megatron_patches.experts import fp8_flow_layer_spec
 
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -171,7 +178,7 @@ def build_model(args):
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False,
                                     normalization=args.normalization)
     spec = fp8_flow_layer_spec(spec, config)
-    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB_SIZE,
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab_size,
                     max_sequence_length=args.max_position_embeddings,
                     position_embedding_type=args.position_embedding_type,
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
@@ -257,30 +264,44 @@ def _peak_memory_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _batch(dataset, first: int, count: int) -> dict:
+    """Samples ``first .. first+count-1`` stacked: ``{tokens, labels, position_ids: int64 [count, S],
+    loss_mask: float32 [count, S]}``."""
+    samples = [dataset[i] for i in range(first, first + count)]
+    return {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
+            for key in ("tokens", "labels", "position_ids", "loss_mask")}
+
+
 def train(args) -> dict:
     """Run ``args.train_iters`` steps; returns the summary (also written to --summary-json)."""
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     apply()
+    apply_cpu_shims()
     _init_distributed(args)
     try:
-        torch.manual_seed(args.seed)
-        model = build_model(args)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr,
-                                      betas=(args.adam_beta1, args.adam_beta2),
-                                      eps=args.adam_eps, weight_decay=args.weight_decay)
-        start = load_checkpoint(args.load, model, optimizer) if args.load else 0
         dp_size = parallel_state.get_data_parallel_world_size()
         dp_rank = parallel_state.get_data_parallel_rank()
         gbs = args.global_batch_size or args.micro_batch_size * dp_size
         if gbs % (args.micro_batch_size * dp_size):
             raise ValueError(f"--global-batch-size {gbs} must be a multiple of --micro-batch-size "
                              f"x data-parallel size = {args.micro_batch_size * dp_size}")
+        (dataset, *_), vocab_size, described = train_valid_test_datasets(
+            args, [args.train_iters * gbs, 0, 0], args.text_max_bytes)
+        if dist.get_rank() == 0:
+            print(described, flush=True)
+        torch.manual_seed(args.seed)
+        model = build_model(args, vocab_size)
+        experts = expert_path(model)
+        if dist.get_rank() == 0:
+            print(experts, flush=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr,
+                                      betas=(args.adam_beta1, args.adam_beta2),
+                                      eps=args.adam_eps, weight_decay=args.weight_decay)
+        start = load_checkpoint(args.load, model, optimizer) if args.load else 0
         accumulation = gbs // (args.micro_batch_size * dp_size)
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / accumulation))
-        stream = ByteStream(stdlib_bytes(args.text_max_bytes), args.seq_length)
-        positions = torch.arange(args.seq_length).expand(args.micro_batch_size, -1)
         tokens_per_step = gbs * args.seq_length
         curve, times = [], []
         model.train()
@@ -293,8 +314,9 @@ def train(args) -> dict:
             model.set_is_first_microbatch()  # FP8-Flow layers requantize their weights once per step
             for micro in range(accumulation):
                 first = step * gbs + (micro * dp_size + dp_rank) * args.micro_batch_size
-                tokens, labels = stream.batch(first, args.micro_batch_size)
-                loss = model(tokens, positions, None, labels=labels).float().mean()
+                batch = _batch(dataset, first, args.micro_batch_size)
+                losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+                loss = (losses.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
                 (loss / accumulation).backward()
                 total += loss.detach() / accumulation
             grad_norm = _reduce_grads(model)
@@ -330,6 +352,8 @@ def train(args) -> dict:
             "seq_length": args.seq_length,
             "moe_fp8_flow": args.moe_fp8_flow,
             "seed": args.seed,
+            "data": described,
+            "expert_path": experts,
         }
         if args.summary_json and dist.get_rank() == 0:
             pathlib.Path(args.summary_json).write_text(json.dumps(summary, indent=1))

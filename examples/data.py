@@ -1,9 +1,10 @@
 """Real text on every machine: the Python standard library's ``.py`` files as byte tokens.
 
-Tokens are bytes (vocabulary 256, no tokenizer). Files are read in sorted path order and joined
-by a NUL byte (absent from source text) up to ``max_bytes``; sample ``i`` of the stream is the
-window starting at ``i * seq_length`` (wrapping), so the stream is the same on every machine
-with the same Python and does not depend on the number of ranks.
+The default data of ``examples.pretrain_gpt`` when no data argument is given (``megatron_data``
+handles Megatron's). Tokens are bytes (vocabulary 256, no tokenizer). Files are read in sorted path
+order and joined by a NUL byte (absent from source text) up to ``max_bytes``; sample ``i`` of the
+stream is the window starting at ``i * seq_length`` (wrapping), so the stream is the same on every
+machine with the same Python and does not depend on the number of ranks.
 """
 
 import pathlib
@@ -51,3 +52,20 @@ class ByteStream:
         index = starts[:, None] + torch.arange(self.seq_length + 1)
         window = self.corpus[index].long()
         return window[:, :-1], window[:, 1:]
+
+
+class StdlibBytesDataset(torch.utils.data.Dataset):
+    """``num_samples`` windows of a ``ByteStream`` from window ``offset``, as Megatron's GPT datasets
+    return samples: ``tokens``, ``labels`` int64, ``loss_mask`` float32 (ones), ``position_ids`` int64,
+    each ``[seq_length]``."""
+
+    def __init__(self, stream: ByteStream, offset: int, num_samples: int):
+        self.stream, self.offset, self.num_samples = stream, offset, num_samples
+
+    def __len__(self):
+        return self.num_samples
+
+    def __getitem__(self, index):
+        tokens, labels = self.stream.batch(self.offset + index, 1)
+        return {"tokens": tokens[0], "labels": labels[0], "loss_mask": torch.ones(tokens.shape[1]),
+                "position_ids": torch.arange(tokens.shape[1])}

@@ -1,0 +1,50 @@
+"""What runs the routed experts of a model, in one line for logs and summaries, so a speed is read for what
+it is: Megatron's experts, or the FP8-Flow block with the device and backends its ops take.
+
+``GroupedLinear(backend="auto")`` resolves per call (``transformer_engine_moe.ops.grouped_gemm``): on a CPU
+every op is the plain-PyTorch reference; on a GPU the Triton kernels, and for each grouped GEMM the first of
+``AUTO_ORDER`` that can run it (DeepGEMM where it imports on a Hopper GPU, cuBLAS for experts averaging at
+least ``CUBLAS_MIN_MEAN_ROWS`` rows, else Triton).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NAMES = {"deepgemm": "DeepGEMM", "cublas": "cuBLAS", "triton": "Triton"}
+CPU_PATH = ("the plain-PyTorch reference ops (quantize, permute, SwiGLU, grouped GEMMs in float32): the CPU "
+            "path that checks correctness, not the GPU kernels")
+
+
+def gemm_backends(device: torch.device, backend: str = "auto") -> str:
+    """How the FP8-Flow block's ops run on ``device`` with ``GroupedLinear.backend``."""
+    if device.type != "cuda":
+        return CPU_PATH if backend in ("auto", "reference") else f"grouped GEMMs {backend!r} on {device}"
+    if backend != "auto":
+        return f"Triton kernels; grouped GEMMs {backend!r}"
+    from transformer_engine_moe.kernels import grouped_gemm_deepgemm
+    from transformer_engine_moe.ops.grouped_gemm import AUTO_ORDER, CUBLAS_MIN_MEAN_ROWS
+
+    deepgemm = grouped_gemm_deepgemm.available(device)
+    kinds = []
+    for kind, label in (("fprop", "fprop/dgrad"), ("wgrad", "wgrad")):
+        order = [n for n in AUTO_ORDER[kind] if n != "deepgemm" or deepgemm]
+        kinds.append(f"{label} " + " > ".join(
+            f"cuBLAS (experts of >= {CUBLAS_MIN_MEAN_ROWS[kind]} rows)" if n == "cublas" else _NAMES[n] for n in order))
+    return ("Triton kernels; grouped GEMMs 'auto', per call the first that can run it: " + "; ".join(kinds)
+            + ("" if deepgemm else " (DeepGEMM not importable here or not a Hopper GPU)"))
+
+
+def expert_path(model: torch.nn.Module) -> str:
+    """``experts: ...``: the FP8-Flow block's device and backends, or the class of Megatron's experts."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from transformer_engine_moe import FP8FlowMoE
+
+    blocks = [m for m in model.modules() if isinstance(m, FP8FlowMoE)]
+    if blocks:
+        fc1 = blocks[0].linear_fc1
+        return f"experts: FP8-Flow on {fc1.weight0.device}: {gemm_backends(fc1.weight0.device, fc1.backend)}"
+    names = sorted({type(m.experts).__name__ for m in model.modules() if isinstance(m, MoELayer)})
+    device = next(model.parameters()).device
+    return f"experts: Megatron's {', '.join(names) or 'none'} on {device} (plain torch matmuls)"

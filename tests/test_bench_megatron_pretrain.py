@@ -1,0 +1,88 @@
+"""benchmarks/bench_megatron_pretrain.py on the CPU: the command lines of its runs (EP = GPU count, the two
+DeepSeek-shaped configurations, every variant's flags valid for FP8-Flow), Megatron's log parsed into a row, and a
+run past its time limit killed with its children."""
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_megatron_pretrain as bench  # noqa: E402
+
+
+def _flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def test_deepseek_small_on_four_gpus():
+    cmd = bench.command("deepseek_small", "fp8_flow_deepep_moe_expert", gpus=4, iters=40)
+    assert cmd[:5] == ["torchrun", "--nproc_per_node", "4", "-m", "examples.pretrain_gpt"]
+    assert _flag(cmd, "--expert-model-parallel-size") == "4" and _flag(cmd, "--global-batch-size") == "4"
+    assert int(_flag(cmd, "--num-layers")) >= 4 and int(_flag(cmd, "--hidden-size")) >= 2048
+    assert int(_flag(cmd, "--num-experts")) >= 64 and _flag(cmd, "--moe-router-topk") == "8"
+    assert {"--moe-grouped-gemm", "--mock-data", "--moe-fp8-flow"} <= set(cmd)
+    assert _flag(cmd, "--moe-token-dispatcher-type") == "flex" and _flag(cmd, "--recompute-modules") == "moe_expert"
+
+
+@pytest.mark.parametrize("gpus, layers", [(2, "1"), (4, "1"), (8, "2")])
+def test_deepseek_v3_slice_shapes(gpus, layers):
+    cmd = bench.command("deepseek_v3_slice", "megatron_bf16", gpus=gpus, iters=40)
+    assert (_flag(cmd, "--hidden-size"), _flag(cmd, "--moe-ffn-hidden-size"), _flag(cmd, "--num-experts")) == (
+        "7168", "2048", "256")
+    assert _flag(cmd, "--num-layers") == layers and _flag(cmd, "--expert-model-parallel-size") == str(gpus)
+    assert "--moe-fp8-flow" not in cmd and _flag(cmd, "--moe-token-dispatcher-type") == "alltoall"
+
+
+def test_variants():
+    grouped = bench.command("deepseek_small", "bf16_grouped_mm", gpus=2, iters=10)
+    assert grouped[3].endswith("benchmarks/megatron_grouped_mm.py") and "--moe-fp8-flow" not in grouped
+    assert _flag(bench.command("deepseek_small", "megatron_bf16_seed_control", 2, 10), "--seed") == "1235"
+    assert _flag(bench.command("deepseek_small", "fp8_flow_alltoall", 2, 10), "--seed") == "1234"
+    with pytest.raises(ValueError, match="variant one of"):
+        bench.command("deepseek_small", "fp8", 2, 10)
+
+
+@pytest.mark.parametrize("config", bench.CONFIGS)
+@pytest.mark.parametrize("variant", [v for v in bench.VARIANTS if v.startswith("fp8_flow")])
+def test_fp8_flow_runs_pass_fp8_flow_validation(config, variant):
+    pytest.importorskip("megatron.core", reason="the compact loop's parser needs megatron-core")
+    from examples.compact_loop import build_parser
+    from megatron_patches.arguments import validate_fp8_flow_args
+
+    cmd = bench.command(config, variant, gpus=4, iters=40)
+    args, _ = build_parser().parse_known_args(cmd[5:])
+    validate_fp8_flow_args(args)
+    assert args.moe_fp8_flow and args.hidden_size % 128 == 0
+
+
+LOG = """\
+experts: FP8-Flow on cuda:0: Triton kernels; grouped GEMMs 'auto', per call the first that can run it: fprop/dgrad DeepGEMM
+ [2026-11-23 10:00:00] iteration        5/      20 | consumed samples: 20 | elapsed time per iteration (ms): 900.0 | lm loss: 1.050000E+01 |
+[Rank 0] (after 5 iterations) memory (MB) | allocated: 9000.0 | max allocated: 14100.5 | reserved: 15000.0
+ [2026-11-23 10:00:05] iteration       10/      20 | consumed samples: 40 | elapsed time per iteration (ms): 150.0 | lm loss: 9.000000E+00 |
+ [2026-11-23 10:00:06] iteration       15/      20 | consumed samples: 60 | elapsed time per iteration (ms): 140.0 | lm loss: 8.000000E+00 |
+ [2026-11-23 10:00:07] iteration       20/      20 | consumed samples: 80 | elapsed time per iteration (ms): 160.0 | lm loss: 7.000000E+00 |
+"""
+
+
+def test_parse_log():
+    row = bench.parse_log(LOG, tokens_per_iter=4 * 4096, gpus=4)
+    assert row["iter_ms"] == 150.0  # iterations 15 and 20: past the warm-up
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(4096 / 0.150)
+    assert row["max_allocated_mib"] == 14100.5 and row["final_loss"] == 7.0 and row["curve"] == [10.5, 9.0, 8.0, 7.0]
+    assert row["experts"].startswith("experts: FP8-Flow on cuda:0")
+    with pytest.raises(ValueError, match="no 'iteration"):
+        bench.parse_log("Traceback ...", 1, 1)
+
+
+def test_a_run_past_its_time_limit_is_killed_with_its_children(tmp_path):
+    marker = tmp_path / "child_alive"
+    began = time.perf_counter()
+    status, _ = bench.run(["bash", "-c", f"(sleep 3; touch {marker}) & sleep 30"], timeout=1)
+    assert status == "timed out" and time.perf_counter() - began < 10
+    time.sleep(3)
+    assert not marker.exists()  # the background child went with the group
+    assert bench.run([sys.executable, "-c", "print('iteration')"], timeout=30) == ("ok", "iteration\n")
+    assert bench.run([sys.executable, "-c", "raise SystemExit(3)"], timeout=30)[0] == "exit 3"
