@@ -17,6 +17,10 @@ if not torch.cuda.is_available():
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
 
+# Tests of the Triton column on CPU tensors: the interpreter, which is set above only without a GPU.
+interpreter_only = pytest.mark.skipif(CUDA, reason="runs the Triton kernels on CPU tensors in Triton's "
+                                      "interpreter, which conftest sets only on machines without a GPU")
+
 # Where the Triton kernels run: the GPU when there is one, else the interpreter on CPU.
 KERNEL_DEVICE = "cuda" if CUDA else "cpu"
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import KERNEL_DEVICE, interpreter_only
 from transformer_engine_moe import backend, weighted_swiglu_quant
 from transformer_engine_moe.kernels.casts import use_software_cast
 
@@ -54,6 +55,7 @@ def test_naming_rule_holds_for_every_op():
             assert (ROOT / path).is_file(), path
 
 
+@interpreter_only
 def test_resolution(monkeypatch):
     x = torch.zeros(2, 128)
     assert backend.implementation("auto", x, "op") is backend.REFERENCE
@@ -77,7 +79,7 @@ def test_the_forward_implementation_is_kept_for_backward(monkeypatch):
     spied = dataclasses.replace(backend.REFERENCE, name="spied", weighted_swiglu_quant=spy("weighted_swiglu_quant"),
                                 weighted_swiglu_backward=spy("weighted_swiglu_backward"))
     monkeypatch.setattr(backend, "TRITON", spied)
-    x = torch.randn(4, 256, requires_grad=True)
+    x = torch.randn(4, 256, device=KERNEL_DEVICE, requires_grad=True)
     y = weighted_swiglu_quant(x, backend="triton")
     monkeypatch.setattr(backend, "TRITON", backend.REFERENCE)
     y.dequantize().sum().backward()

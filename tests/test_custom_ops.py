@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import interpreter_only
 from transformer_engine_moe import backend
 from transformer_engine_moe.reference import permute as rp, quantize as rq
 
@@ -80,7 +81,7 @@ def test_every_launcher_of_every_column_is_an_op():
     assert set(SAMPLES) == set(LAUNCHERS) | {"grouped_gemm_wgrad_into"}
 
 
-@pytest.mark.parametrize("column", ["reference", "triton"])
+@pytest.mark.parametrize("column", ["reference", pytest.param("triton", marks=interpreter_only)])
 @pytest.mark.parametrize("name", sorted(SAMPLES))
 def test_opcheck(name, column):
     """Fake against real (shapes, dtypes, devices), registration, and AOT dispatch with dynamic shapes;

@@ -75,14 +75,14 @@ def test_wgrad_matches_reference_and_accumulates(splits):
 def test_auto_picks_deepgemm_only_where_it_can_run():
     splits = [384, 128, 0, 0]
     w, wt, x, dy = operands(splits)
-    pick = lambda a, b, s, out=torch.bfloat16, **kw: _impl("auto", a, b, s, 512, out, "t", **kw)
-    assert pick(x.rowwise_data, E4M3, splits) is dg
-    assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda")) is dg
-    assert pick(x.rowwise_data, E5M2, splits) is not dg  # HYBRID's E5M2 gradients
-    assert pick(x.rowwise_data, E4M3, [300, 212, 0, 0]) is not dg  # groups not multiples of 128
-    assert pick(x.rowwise_data, E4M3, splits, torch.float32, wgrad=True) is dg  # float32 / main_grad wgrad
-    assert pick(x.rowwise_data, E4M3, splits, wgrad=True) is not dg  # a BF16 wgrad: cuBLAS or Triton
-    assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda"), torch.float32, wgrad=True) is not dg
+    pick = lambda a, b, s, out=torch.bfloat16, **kw: _impl("auto", a, b, s, 512, out, "t", **kw).name
+    assert pick(x.rowwise_data, E4M3, splits) == "deepgemm"
+    assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda")) == "deepgemm"
+    assert pick(x.rowwise_data, E5M2, splits) != "deepgemm"  # HYBRID's E5M2 gradients
+    assert pick(x.rowwise_data, E4M3, [300, 212, 0, 0]) != "deepgemm"  # groups not multiples of 128
+    assert pick(x.rowwise_data, E4M3, splits, torch.float32, wgrad=True) == "deepgemm"  # float32 / main_grad wgrad
+    assert pick(x.rowwise_data, E4M3, splits, wgrad=True) != "deepgemm"  # a BF16 wgrad: cuBLAS or Triton
+    assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda"), torch.float32, wgrad=True) != "deepgemm"
     with pytest.raises(ValueError, match="multiples of 128"):
         grouped_gemm(x, w, [300, 212, 0, 0], backend="deepgemm")
     _, wt5, _, dy5 = operands(splits, fp8=E5M2)
