@@ -152,7 +152,8 @@ def main():
     notes = (f"EP = {gpus} GPUs, TransformerEngine absent (--transformer-impl local: attention and dense layers BF16), "
              f"mock data, sequence {seq}, micro-batch 1 per GPU; timing excludes the first {WARMUP_ITERS} iterations. "
              "Commands: the `command` field of each row in the JSON; docs/megatron.md.")
-    print(utils.write_results(f"bench_megatron_pretrain_ep{gpus}", f"Megatron pretrain at EP={gpus}: BF16 experts vs FP8-Flow", env, {},
+    print(utils.write_results(f"bench_megatron_pretrain_ep{gpus}",
+                              f"Megatron pretrain at EP={gpus}: BF16 experts vs FP8-Flow", env, {},
                               list(rows.values()), columns, notes=notes).read_text())
 
 
