@@ -24,6 +24,8 @@ import inspect
 from typing import Callable, Optional
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 
 from .layout import MSplits, columnwise_data_shape, num_column_blocks
 from .recipe import BLOCK_SIZE
@@ -223,6 +225,17 @@ def _register(name: str, schema: str, fn: Callable, fake: Callable, m_pos: Optio
     return op
 
 
+def _traced(args) -> bool:
+    """Whether a tensor argument (or one in a list argument) is a compiler's stand-in: torch 2.11's Dynamo runs
+    a tensor subclass's methods (``Float8BlockwiseQTensor.dequantize``) on fake tensors without
+    ``is_compiling()`` being set, and the launcher must then be the op, not the kernel."""
+    for a in args:
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, (FakeTensor, FunctionalTensor)):
+                return True
+    return False
+
+
 def launcher_op(launcher: str, column: str, fn: Callable) -> Callable:
     """``fn``, the ``launcher`` of the table's ``column``, as the custom op ``te_moe::<launcher>_<column>``
     (a launcher taking ``out`` also as ``te_moe::<launcher>_into_<column>``). Returns what the table holds:
@@ -240,7 +253,7 @@ def launcher_op(launcher: str, column: str, fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        if not torch.compiler.is_compiling():
+        if not (torch.compiler.is_compiling() or _traced(args)):
             return fn(*args, **kwargs)
         values = [*args, *(kwargs.get(p.name, p.default) for p in params[len(args):])]
         given = {i: values[names.index(name)] is not None and values[names.index(name)] is not False

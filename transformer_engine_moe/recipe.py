@@ -45,11 +45,14 @@ class BlockShape(str, enum.Enum):
 
     @classmethod
     def parse(cls, block, name: str = "block") -> "BlockShape":
-        """``block`` (a member or its string) as a member; ValueError naming ``name`` otherwise."""
-        try:
-            return cls(block)
-        except (ValueError, TypeError):
-            raise ValueError(f"{name} must be a BlockShape or one of {[b.value for b in cls]}, got {block!r}") from None
+        """``block`` (a member or its string) as a member; ValueError naming ``name`` otherwise. (A lookup, not
+        ``cls(block)``: torch 2.11's Dynamo cannot trace an Enum's call, and this runs inside compiled ops.)"""
+        if isinstance(block, cls):
+            return block
+        member = cls._value2member_map_.get(block) if isinstance(block, str) else None
+        if member is None:
+            raise ValueError(f"{name} must be a BlockShape or one of {[b.value for b in cls]}, got {block!r}")
+        return member
 
 
 class Format(enum.Enum):
