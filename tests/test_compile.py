@@ -172,14 +172,15 @@ def test_block_experts_phase_is_one_graph_forward_and_backward():
     assert all(torch.equal(a, b) for a, b in zip(step(True), step(False)))
 
 
-@needs_torch_2_13
-def test_block_with_device_splits_is_one_graph_and_trains_compiled():
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=needs_torch_2_13),
+                                    pytest.param("cuda", marks=requires_cuda)])
+def test_block_with_device_splits_is_one_graph_and_trains_compiled(device):
     """``device_splits=True`` keeps the per-expert counts on the device: the whole block, dispatch to combine,
     is one graph without a break, and the compiled forward + backward equals eager bit for bit (the limit of
     training the host-split block compiled, docs/compile.md, does not arise)."""
     torch.manual_seed(0)
-    block = FP8FlowMoE(4, 256, 128, 2, device_splits=True)
-    _, x, ids, probs = _block()
+    block = FP8FlowMoE(4, 256, 128, 2, device_splits=True, device=device)
+    x, ids, probs = (t.to(device) for t in _block()[1:])
     explained = torch._dynamo.explain(block.forward_topk)(x, ids, probs)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
