@@ -81,30 +81,15 @@ def memory(model, x, ids, probs, dy, is_first_microbatch) -> tuple[float, int]:
     return peak, saved
 
 
-def graph_replay(fwd_bwd):
-    """``fwd_bwd`` captured in one CUDA graph (after a warm-up on a side stream, as torch.cuda.graphs
-    requires): ``(graph, its replay)``; keep the graph alive while replaying."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fwd_bwd()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fwd_bwd()
-    return graph, graph.replay
-
-
 def measure(model, x, ids, probs, dy, graph: bool = False) -> dict:
     """Step time (``graph``: of the step captured in a CUDA graph and replayed) and memory (always of the
     step run eagerly)."""
     fwd_bwd = step_fn(model, x, ids, probs, dy)
     fwd_bwd()  # compile / JIT outside the timing
     torch.cuda.synchronize()
-    captured, step = graph_replay(fwd_bwd) if graph else (None, fwd_bwd)
-    ms = utils.time_ms(step, 100, 1000)
-    del captured, step
+    captured = utils.cuda_graph(fwd_bwd) if graph else None
+    ms = utils.time_ms(captured.replay if graph else fwd_bwd, 100, 1000)
+    del captured
     peak, saved = memory(model, x, ids, probs, dy, True)
     peak_uncached, _ = memory(model, x, ids, probs, dy, None)
     return dict(ms=ms, saved_gib=saved / 2**30, peak_gib=peak / 2**30, peak_uncached_gib=peak_uncached / 2**30)

@@ -37,6 +37,21 @@ def time_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) ->
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def cuda_graph(step: Callable[[], object], warmup: int = 2) -> "torch.cuda.CUDAGraph":
+    """``step`` captured in one CUDA graph, after ``warmup`` eager runs on a side stream (as torch.cuda.graphs
+    requires: kernels compiled, caches filled); replay it with ``.replay()`` and keep it alive meanwhile."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 def copy_bandwidth_tbps(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in TB/s, counting bytes read plus bytes written."""
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()

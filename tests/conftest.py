@@ -24,6 +24,12 @@ interpreter_only = pytest.mark.skipif(CUDA, reason="runs the Triton kernels on C
 # Where the Triton kernels run: the GPU when there is one, else the interpreter on CPU.
 KERNEL_DEVICE = "cuda" if CUDA else "cpu"
 
+# examples.pretrain_gpt on the CPU: its compact loop, and a model small enough for 2-step runs.
+compact_loop_only = pytest.mark.skipif(CUDA, reason="the compact loop is the CPU path (GPU: megatron.training)")
+TINY_GPT_ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --num-experts 4 "
+                 "--moe-router-topk 2 --micro-batch-size 2 --train-iters 2 --log-interval 1 --swiglu "
+                 "--disable-bias-linear").split()
+
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1, for a process group's rendezvous."""

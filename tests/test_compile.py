@@ -126,11 +126,11 @@ def test_each_op_is_one_graph(case):
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
-def _block():
+def _block(device="cpu", **kw):
     torch.manual_seed(0)
-    block = FP8FlowMoE(4, 256, 128, 2)
+    block = FP8FlowMoE(4, 256, 128, 2, device=device, **kw)
     probs, ids = torch.softmax(torch.randn(64, 4), -1).topk(2)
-    return block, torch.randn(64, 256, dtype=torch.bfloat16), ids, probs
+    return block, *(t.to(device) for t in (torch.randn(64, 256, dtype=torch.bfloat16), ids, probs))
 
 
 def test_block_breaks_only_at_the_host_split_list():
@@ -178,9 +178,7 @@ def test_block_with_device_splits_is_one_graph_and_trains_compiled(device):
     """``device_splits=True`` keeps the per-expert counts on the device: the whole block, dispatch to combine,
     is one graph without a break, and the compiled forward + backward equals eager bit for bit (the limit of
     training the host-split block compiled, docs/compile.md, does not arise)."""
-    torch.manual_seed(0)
-    block = FP8FlowMoE(4, 256, 128, 2, device_splits=True, device=device)
-    x, ids, probs = (t.to(device) for t in _block()[1:])
+    block, x, ids, probs = _block(device, device_splits=True)
     explained = torch._dynamo.explain(block.forward_topk)(x, ids, probs)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 

@@ -15,16 +15,14 @@ import sysconfig
 import numpy as np
 import torch
 
+from conftest import TINY_GPT_ARGS, compact_loop_only
 from examples import pretrain_gpt
 from examples.compact_loop import parse_args
 from examples.megatron_data import data_source, train_valid_test_datasets
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="the compact loop is the CPU path (GPU: megatron.training)")
+pytestmark = compact_loop_only
 
-MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --num-experts 4 "
-         "--moe-router-topk 2 --micro-batch-size 2 --train-iters 2 --log-interval 1 --swiglu "
-         "--disable-bias-linear").split()
+MODEL = TINY_GPT_ARGS
 FILES = 40  # standard-library files in the indexed dataset, one document each
 
 

@@ -11,15 +11,12 @@ import os
 import torch
 import torch.multiprocessing as mp
 
-from conftest import free_port
+from conftest import TINY_GPT_ARGS, compact_loop_only, free_port
 from examples import pretrain_gpt
 
-pytestmark = pytest.mark.skipif(
-    torch.cuda.is_available(), reason="the compact loop is the CPU path (GPU: megatron.training)")
+pytestmark = compact_loop_only
 
-MODEL = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --num-experts 4 "
-         "--moe-router-topk 2 --micro-batch-size 2 --train-iters 2 --log-interval 1 --swiglu "
-         "--disable-bias-linear --moe-aux-loss-coeff 1e-2 --text-max-bytes 200000").split()
+MODEL = TINY_GPT_ARGS + ["--moe-aux-loss-coeff", "1e-2", "--text-max-bytes", "200000"]
 
 
 def _run_rank(rank, world, port, argv):

@@ -7,6 +7,7 @@ import torch
 from conftest import CUDA, KERNEL_DEVICE, assert_no_host_sync, requires_cuda
 from transformer_engine_moe.dispatch import LocalTokenDispatcher, get_dispatcher
 from transformer_engine_moe.module import FP8FlowMoE
+from utils import cuda_graph  # benchmarks/utils.py
 
 T, H, FFN, E, K = 256, 512, 128, 4, 2  # H 512 / ffn 128 / 4 experts: the shapes tests/kernels compiles
 BACKEND = "triton" if CUDA else "auto"  # one launch per GEMM with device splits; the reference on CPU
@@ -107,24 +108,19 @@ def test_gpu_whole_block_has_no_host_sync(backend):
 
 
 def _capture(block, x, ids, probs, dy):
-    """One CUDA graph of forward + backward on static buffers, after a warm-up on a side stream (as
-    torch.cuda.graphs requires): ``(graph, x, probs, [y, dx, dprobs, *weight grads])``."""
+    """One CUDA graph of forward + backward on static buffers (``utils.cuda_graph``: after a warm-up):
+    ``(graph, x, probs, [y, dx, dprobs, *weight grads])``, the outputs as the graph writes them."""
     xs, ps = x.clone().requires_grad_(), probs.clone().requires_grad_()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            block.zero_grad(set_to_none=True)
-            xs.grad = ps.grad = None
-            block.forward_topk(xs, ids, ps).backward(dy)
-    torch.cuda.current_stream().wait_stream(side)
-    block.zero_grad(set_to_none=True)
-    xs.grad = ps.grad = None
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    outs = []
+
+    def step():
+        block.zero_grad(set_to_none=True)
+        xs.grad = ps.grad = None
         y = block.forward_topk(xs, ids, ps)
         y.backward(dy)
-    return graph, xs, ps, [y, xs.grad, ps.grad] + [p.grad for p in block.parameters()]
+        outs[:] = [y, xs.grad, ps.grad] + [p.grad for p in block.parameters()]
+
+    return cuda_graph(step), xs, ps, outs
 
 
 @requires_cuda

@@ -271,17 +271,18 @@ def _quantize_grouped_weight_kernel(
 
 
 @functools.lru_cache(maxsize=256)
-def _address_table(addresses: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """int64 ``[G]`` device tensor of the weights' addresses, made once per set of addresses: the weights
-    stay where they are between steps (optimizers update them in place), so later steps, and a CUDA
-    graph capturing one, copy nothing from the host. Only the addresses are cached, and a table's content
-    is its key, so a reused address cannot make it stale."""
+def _address_table(addresses: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, bool]:
+    """(int64 ``[G]`` device tensor of the weights' addresses, whether all are 16-byte aligned), made once
+    per set of addresses: the weights stay where they are between steps (optimizers update them in place),
+    so later steps, and a CUDA graph capturing one, copy nothing from the host. Only the addresses are
+    cached, and a table's content is its key, so a reused address cannot make it stale."""
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("quantize_grouped_weight: these weights were not seen before the CUDA graph capture; "
                            "run the step once eagerly first (as torch.cuda.graphs requires a warm-up), so the "
                            "table of their addresses is on the GPU instead of a host copy captured in the graph")
     table = torch.tensor(addresses, dtype=torch.int64)
-    return table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    return table, all(a % 16 == 0 for a in addresses)
 
 
 def quantize_grouped_weight(
@@ -306,10 +307,9 @@ def quantize_grouped_weight(
     q = torch.empty((g, n, k), dtype=fp8_dtype, device=x0.device)
     s = torch.empty((g, n // BLOCK_SIZE, k // BLOCK_SIZE), dtype=torch.float32, device=x0.device)
     if q.numel():
-        addresses = tuple(w.data_ptr() for w in weights)
+        table, aligned = _address_table(tuple(w.data_ptr() for w in weights), x0.device)
         _quantize_grouped_weight_kernel[(k // BLOCK_SIZE, n // BLOCK_SIZE, g)](
-            _address_table(addresses, x0.device), x0, q.view(torch.uint8), s, n, k,
-            ALIGNED=all(a % 16 == 0 for a in addresses),
+            table, x0, q.view(torch.uint8), s, n, k, ALIGNED=aligned,
             num_warps=num_warps or GROUPED_WEIGHT_WARPS,
             **_common_args(x0, fp8_dtype, force_pow_2_scales, amax_epsilon, software_cast),
         )
