@@ -4,7 +4,8 @@ it is: Megatron's experts, or the FP8-Flow block with the device and backends it
 ``GroupedLinear(backend="auto")`` resolves per call (``transformer_engine_moe.ops.grouped_gemm``): on a CPU
 every op is the plain-PyTorch reference; on a GPU the Triton kernels, and for each grouped GEMM the first of
 ``AUTO_ORDER`` that can run it (DeepGEMM where it imports on a Hopper GPU, cuBLAS for experts averaging at
-least ``CUBLAS_MIN_MEAN_ROWS`` rows, else Triton).
+least ``CUBLAS_MIN_MEAN_ROWS`` rows and that many rows of a ``CUBLAS_MIN_WEIGHT`` weight's multiply-adds,
+else Triton).
 """
 
 from __future__ import annotations
@@ -23,16 +24,20 @@ def gemm_backends(device: torch.device, backend: str = "auto") -> str:
     if backend != "auto":
         return f"Triton kernels; grouped GEMMs {backend!r}"
     from transformer_engine_moe.kernels import grouped_gemm_deepgemm
-    from transformer_engine_moe.ops.grouped_gemm import AUTO_ORDER, CUBLAS_MIN_MEAN_ROWS
+    from transformer_engine_moe.ops.grouped_gemm import AUTO_ORDER, CUBLAS_MIN_MEAN_ROWS, CUBLAS_MIN_WEIGHT
 
     deepgemm = grouped_gemm_deepgemm.available(device)
     kinds = []
     for kind, label in (("fprop", "fprop/dgrad"), ("wgrad", "wgrad")):
         order = [n for n in AUTO_ORDER[kind] if n != "deepgemm" or deepgemm]
         kinds.append(f"{label} " + " > ".join(
-            f"cuBLAS (experts of >= {CUBLAS_MIN_MEAN_ROWS[kind]} rows)" if n == "cublas" else _NAMES[n] for n in order))
+            _cublas(CUBLAS_MIN_MEAN_ROWS[kind], CUBLAS_MIN_WEIGHT) if n == "cublas" else _NAMES[n] for n in order))
     return ("Triton kernels; grouped GEMMs 'auto', per call the first that can run it: " + "; ".join(kinds)
             + ("" if deepgemm else " (DeepGEMM not importable here or not a Hopper GPU)"))
+
+
+def _cublas(rows: int, weight: int) -> str:
+    return f"cuBLAS (experts of >= {rows} rows and >= {rows} x {weight / 1e6:.1f}M multiply-adds)"
 
 
 def expert_path(model: torch.nn.Module) -> str:

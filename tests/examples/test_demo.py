@@ -42,8 +42,9 @@ def test_gemm_backends_on_cpu_and_gpu(monkeypatch):
     monkeypatch.setattr(grouped_gemm_deepgemm, "available", lambda device: True)
     assert gemm_backends(cuda) == (
         "Triton kernels; grouped GEMMs 'auto', per call the first that can run it: fprop/dgrad DeepGEMM > cuBLAS "
-        "(experts of >= 2048 rows) > Triton; wgrad cuBLAS (experts of >= 512 rows) > Triton")
+        "(experts of >= 2048 rows and >= 2048 x 14.7M multiply-adds) > Triton; wgrad cuBLAS (experts of >= 512 "
+        "rows and >= 512 x 14.7M multiply-adds) > Triton")
     monkeypatch.setattr(grouped_gemm_deepgemm, "available", lambda device: False)
     text = gemm_backends(cuda)
-    assert "fprop/dgrad cuBLAS (experts of >= 2048 rows) > Triton" in text and "DeepGEMM not importable" in text
+    assert "fprop/dgrad cuBLAS (experts of >= 2048 rows and >= 2048 x 14.7M multiply-adds) > Triton" in text and "DeepGEMM not importable" in text
     assert gemm_backends(cuda, "triton") == "Triton kernels; grouped GEMMs 'triton'"

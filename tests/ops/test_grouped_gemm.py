@@ -7,7 +7,8 @@ import torch
 
 from conftest import CUDA, KERNEL_DEVICE, requires_cuda
 from transformer_engine_moe import Float8BlockwiseQTensor, quantize_blockwise, scaling_aware_transpose
-from transformer_engine_moe.ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad
+from transformer_engine_moe.ops.grouped_gemm import (CUBLAS_MIN_WEIGHT, _impl, cublas_pays, grouped_gemm,
+                                                     grouped_gemm_wgrad)
 from transformer_engine_moe.ops.transpose import transpose_grouped_weight
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -155,6 +156,28 @@ def test_cublas_backend_refuses_what_it_cannot_do():
     x, w = act(256, 256, device="cpu"), weights(2, 256, 256, device="cpu")
     with pytest.raises(ValueError, match="backend='cublas' cannot run this call: it needs CUDA"):
         grouped_gemm(x, w, [128, 128], backend="cublas")
+
+
+def test_cublas_pays_needs_rows_and_work_per_expert():
+    v3_fc1, v3_fc2, small_fc1, small_fc2 = 4096 * 7168, 2048 * 7168, 2048 * 2048, 1024 * 2048
+    assert v3_fc2 == CUBLAS_MIN_WEIGHT
+    assert cublas_pays("wgrad", [512] * 64, v3_fc1) and cublas_pays("wgrad", [512] * 64, v3_fc2)
+    assert not cublas_pays("wgrad", [384] * 64, v3_fc1)  # too few rows, whatever the weight
+    # DeepSeek-small experts at 512 rows: too little GPU work per launch; 4x the rows are enough
+    assert not cublas_pays("wgrad", [512] * 64, small_fc1) and not cublas_pays("wgrad", [512] * 64, small_fc2)
+    assert cublas_pays("wgrad", [1792] * 8, small_fc1) and not cublas_pays("wgrad", [1792] * 8, small_fc2)
+    assert not cublas_pays("fprop", [1024] * 8, v3_fc1) and cublas_pays("fprop", [2048] * 8, v3_fc2)
+    assert cublas_pays("wgrad_fp32", [0, 2048], v3_fc2) and not cublas_pays("wgrad_fp32", [0, 2040], v3_fc2)
+
+
+@requires_cuda
+@pytest.mark.parametrize("n,k,rows,picked", [(2048, 7168, 512, "cublas"), (2048, 2048, 512, "triton"),
+                                             (2048, 2048, 2048, "cublas"), (4096, 7168, 384, "triton")])
+def test_gpu_auto_bf16_wgrad_takes_cublas_only_where_it_pays(n, k, rows, picked):
+    """The BF16 wgrad's 'auto' order is cuBLAS > Triton (no DeepGEMM): cuBLAS only for large expert GEMMs."""
+    a = torch.empty(n, rows * 4, dtype=torch.float8_e4m3fn, device="cuda")
+    impl = _impl("auto", a, a.dtype, [rows] * 4, 0, torch.bfloat16, "t", wgrad=True, weight_elements=n * k)
+    assert impl.name == picked
 
 
 @requires_cuda

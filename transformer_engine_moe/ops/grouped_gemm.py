@@ -15,7 +15,7 @@ each, same signatures):
   device (``m_splits`` may be a device tensor: no host sync, CUDA-graph safe); any sizes.
 - ``"reference"``: plain PyTorch in float32 (the oracle, and the CPU path).
 - ``"auto"``: on the GPU, the first of ``AUTO_ORDER`` that can run the call (and, for
-  cuBLAS, whose experts average at least ``CUBLAS_MIN_MEAN_ROWS`` rows); the reference on CPU.
+  cuBLAS, only experts large enough: ``cublas_pays``); the reference on CPU.
   The order was measured (docs/grouped_gemm.md, ``benchmarks/bench_grouped_gemm.py``): DeepGEMM
   for fprop/dgrad and for wgrads accumulated in float32, cuBLAS for wgrads written in BF16.
 
@@ -50,6 +50,20 @@ AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "triton"), "wgrad": ("cublas", "tr
 # of GPU work). A BF16 wgrad at 512 rows still pays: 601/451 TFLOP/s (fc1/fc2) against Triton's 380/374,
 # and the EP=2 block (128 experts of ~512 rows, DeepGEMM fprop/dgrad) went from 45.7 to 39.0 ms on H200s.
 CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_fp32": 1024}
+# Those rows were measured on DeepSeek-V3's smaller expert weight (fc2, 2048 x 7168 elements). A smaller
+# weight is less GPU time per launch, so cuBLAS also needs that many multiply-adds per expert: Megatron's
+# deepseek_small (weights 2048 x 2048 and 1024 x 2048, 512 rows per expert, EP=1, one H200) ran host-bound
+# with cuBLAS wgrads, 145 ms per iteration for 105 ms of GPU work.
+CUBLAS_MIN_WEIGHT = 2048 * 7168
+
+
+def cublas_pays(kind: str, m_splits: list, weight_elements: int) -> bool:
+    """Whether "auto" may take cuBLAS for a ``kind`` GEMM (``AUTO_ORDER``'s keys) over ``m_splits`` (a host
+    list) with ``[N, K]`` expert weights of ``weight_elements``: the experts average at least
+    ``CUBLAS_MIN_MEAN_ROWS[kind]`` rows and that many rows of a ``CUBLAS_MIN_WEIGHT`` weight's work."""
+    rows = CUBLAS_MIN_MEAN_ROWS[kind]
+    total = sum(m_splits)
+    return total >= rows * len(m_splits) and total * weight_elements >= rows * CUBLAS_MIN_WEIGHT * len(m_splits)
 
 
 def _why_not(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reduction: int,
@@ -77,8 +91,9 @@ def _why_not(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, redu
 
 
 def _impl(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reduction: int, out_dtype,
-          op: str, wgrad: bool = False) -> Implementation:
-    """The implementation running ``op`` (``a``: the first operand's FP8 data)."""
+          op: str, wgrad: bool = False, weight_elements: int = 0) -> Implementation:
+    """The implementation running ``op`` (``a``: the first operand's FP8 data; ``weight_elements``: N x K of
+    one expert's weight, for ``cublas_pays``)."""
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"{op}: backend must be one of {GEMM_BACKENDS}, got {backend!r}")
     if backend in ("deepgemm", "cublas"):
@@ -90,9 +105,9 @@ def _impl(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reducti
         return IMPLEMENTATIONS[backend]
     if backend == "auto" and a.is_cuda:
         kind = ("wgrad_fp32" if out_dtype == torch.float32 else "wgrad") if wgrad else "fprop"
-        groups = len(m_splits) if isinstance(m_splits, list) else 0
         for name in AUTO_ORDER[kind]:
-            if name == "cublas" and groups and sum(m_splits) < CUBLAS_MIN_MEAN_ROWS[kind] * groups:
+            if name == "cublas" and isinstance(m_splits, list) and m_splits and not cublas_pays(
+                    kind, m_splits, weight_elements):
                 continue
             if _why_not(name, a, b_dtype, m_splits, reduction, out_dtype, wgrad) is None:
                 return IMPLEMENTATIONS[name]
@@ -151,7 +166,8 @@ def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"out_dtype must be bf16/fp16/fp32, got {out_dtype}")
     m_splits, _ = _check_splits(m_splits, inp.shape[0], weight.shape[0], a.device)
-    impl = _impl(backend, a, b.dtype, m_splits, inp.shape[1], out_dtype, "grouped_gemm")
+    impl = _impl(backend, a, b.dtype, m_splits, inp.shape[1], out_dtype, "grouped_gemm",
+                 weight_elements=weight.shape[1] * weight.shape[2])
     return impl.grouped_gemm(a, a_scale, b, b_scale, m_splits, out_dtype)
 
 
@@ -182,5 +198,5 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
     impl = _impl(backend, a, b.dtype, m_splits, 0, out_dtype if out is None else out.dtype,
-                 "grouped_gemm_wgrad", wgrad=True)
+                 "grouped_gemm_wgrad", wgrad=True, weight_elements=shape[1] * shape[2])
     return impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, out_dtype)
