@@ -53,11 +53,15 @@ def import_error() -> ImportError:
     )
 
 
+# Host facts, constant for a process: torch.compile takes their value at trace time (``deep_gemm``'s functions
+# are a C++ extension Dynamo cannot trace: each call was a graph break, docs/compile.md).
+@torch.compiler.assume_constant_result
 def available(device: torch.device) -> bool:
     """Whether DeepGEMM can run on ``device``: importable, and a Hopper (SM90) GPU."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and _module() is not None
 
 
+@torch.compiler.assume_constant_result
 def alignment() -> int:
     """Rows per group must be a multiple of this (DeepGEMM's contiguous-layout M/K alignment)."""
     return _module().get_mk_alignment_for_contiguous_layout()
