@@ -133,6 +133,7 @@ def _fp8_flow_block(module, config, pg_collection, ep_size: int, device=None,
         output_init_method=_undrawn if undrawn else config.output_layer_init_method,
         params_dtype=config.params_dtype if config.params_dtype != torch.float16 else torch.bfloat16,
         device=device,
+        fuse_wgrad_accumulation=config.gradient_accumulation_fusion,  # as TE's grouped experts
     )
 
 

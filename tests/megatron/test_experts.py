@@ -99,6 +99,25 @@ def test_production_builder_makes_the_fp8_flow_block(world_of_one):
     assert "decoder.layers.1.mlp.experts.linear_fc2.weight3" in model.state_dict()
 
 
+@pytest.mark.parametrize("fusion", [False, True])
+def test_block_follows_gradient_accumulation_fusion(world_of_one, fusion):
+    """``gradient_accumulation_fusion`` reaches both GroupedLinears (TE's grouped experts take it as
+    ``fuse_wgrad_accumulation``): with it, wgrad goes into the ``main_grad`` Megatron's DDP attaches."""
+    from megatron_patches.experts import _fp8_flow_block
+    from transformer_engine_moe import module
+
+    block = _fp8_flow_block(module, _config(gradient_accumulation_fusion=fusion), None, ep_size=1, device=DEVICE)
+    assert block.linear_fc1.fuse_wgrad_accumulation is fusion and block.linear_fc2.fuse_wgrad_accumulation is fusion
+    weights = block.linear_fc1.weights + block.linear_fc2.weights
+    for w in weights:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device=DEVICE)
+    x = torch.randn(64, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    ids = torch.rand(64, 4, device=DEVICE).argsort(dim=1)[:, :2]
+    block.forward_topk(x, ids, torch.rand(64, 2, device=DEVICE)).sum().backward()
+    assert all(bool(w.main_grad.abs().sum() > 0) is fusion for w in weights)
+    assert all(getattr(w, "grad_added_to_main_grad", False) is fusion for w in weights)
+
+
 def test_spec_unchanged_without_fp8_flow(world_of_one):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

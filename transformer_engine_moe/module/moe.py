@@ -66,6 +66,8 @@ class FP8FlowMoE(nn.Module):
         device_splits: keep the per-expert counts on the device (local dispatcher only): no host sync,
             worst-case ``round_up(T*k + E*(align_size-1), align_size)`` permuted rows, the slack (zero
             rows) counted in the last expert; CUDA-graph capturable. Default False: host counts.
+        fuse_wgrad_accumulation: both ``GroupedLinear``s add weight gradients into each weight's FP32
+            ``main_grad`` (Megatron's ``gradient_accumulation_fusion``, as TE's grouped experts take it).
     Parameters: ``linear_fc1.weight{i}`` ``[2F, H]`` (gate rows first, then up) and ``linear_fc2.weight{i}``
     ``[H, F]`` per local expert, as Megatron's TE grouped experts name them.
     """
@@ -74,7 +76,7 @@ class FP8FlowMoE(nn.Module):
                  ep_group: Optional[dist.ProcessGroup] = None, dispatcher: Optional[str] = None,
                  recipe: Optional[FP8FlowRecipe] = None, recompute: Optional[str] = None, align_size: int = 128,
                  params_dtype=torch.bfloat16, device=None, gemm_backend: str = "auto", init_method=None,
-                 output_init_method=None, device_splits: bool = False):
+                 output_init_method=None, device_splits: bool = False, fuse_wgrad_accumulation: bool = False):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be None or 'moe_expert', got {recompute!r}")
@@ -99,7 +101,8 @@ class FP8FlowMoE(nn.Module):
         self.dispatcher = get_dispatcher(name, ep_group, num_experts=num_experts,
                                          **({"host_counts": not device_splits} if name == "local"
                                             else {"recipe": self.recipe}))
-        common = dict(params_dtype=params_dtype, device=device, recipe=self.recipe, backend=gemm_backend)
+        common = dict(params_dtype=params_dtype, device=device, recipe=self.recipe, backend=gemm_backend,
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation)
         self.linear_fc1 = GroupedLinear(self.num_local_experts, hidden_size, 2 * ffn_hidden_size,
                                         init_method=init_method, **common)
         self.linear_fc2 = GroupedLinear(self.num_local_experts, ffn_hidden_size, hidden_size,
