@@ -6,6 +6,7 @@ main job (``make demo``). ``data`` holds the default data (the standard library'
 ``megatron_data`` Megatron's data arguments (indexed or mock datasets, tokenizers).
 
 These are the entry points that may change the process: ``compact_loop`` installs
-``megatron_patches.cpu_shims`` on a machine without CUDA; importing or applying ``megatron_patches``
-never does.
+``megatron_patches.cpu_shims`` on a machine without CUDA, and ``pretrain_gpt`` replaces Megatron's
+host-synchronising multi-tensor fallbacks (used without TE or apex) by ``multi_tensor``'s; importing or
+applying ``megatron_patches`` never does.
 """

@@ -23,6 +23,7 @@ from megatron_patches.experts import fp8_flow_layer_spec
 from .data import VOCAB_SIZE
 from .expert_path import expert_path
 from .megatron_data import data_source, train_valid_test_datasets
+from .multi_tensor import install as install_multi_tensor
 
 STDLIB_TEXT_BYTES = 64 << 20  # the standard library's bytes used without data arguments
 
@@ -91,6 +92,7 @@ def megatron_pretrain(layer_spec=fp8_flow_layer_spec) -> None:
     layers when ``--moe-fp8-flow``; benchmarks swap in other experts)."""
     apply()
     _use_prebuilt_dataset_helpers()
+    install_multi_tensor()  # only where Megatron fell back to its per-tensor, host-synchronising versions
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
     from megatron.training.argument_utils import (gpt_config_from_args,
