@@ -4,7 +4,8 @@ expert parallelism = GPU count: BF16 experts against FP8-Flow, on DeepSeek-shape
 Configurations (``CONFIGS``; mock data, ``--moe-grouped-gemm``, top-8, every layer MoE, sequence 4096):
 - ``deepseek_small``: 4 layers, hidden 2048, 64 experts of ffn 1024 (the issue-16 model);
 - ``deepseek_v3_slice``: DeepSeek-V3's MoE shapes, hidden 7168, 256 experts of ffn 2048, as many layers as
-  fit (1 up to 4 GPUs, 2 on 8: each rank keeps its experts' Adam state, 18 bytes per parameter).
+  fit (1 up to 4 GPUs, 2 on 8: each rank keeps its experts' Adam state, 18 bytes per parameter); on one GPU
+  64 experts, what one rank holds at EP=4 (256 do not fit one GPU), with the same 512 rows per expert.
 Runs (``VARIANTS``):
 - ``megatron_bf16``: Megatron's BF16 experts; without TransformerEngine these are ``SequentialMLP`` (a
   per-expert loop), with Megatron's all-to-all dispatcher;
@@ -15,6 +16,11 @@ Runs (``VARIANTS``):
 - ``fp8_flow_alltoall_moe_expert`` / ``fp8_flow_deepep_moe_expert``: the same with ``moe_expert`` recompute;
 - ``megatron_bf16_seed_control``: ``megatron_bf16`` with the next seed (how far runs land from initialisation).
 All runs with one seed start from the same experts (FP8-Flow and the stand-in draw them as Megatron does).
+
+Each iteration is ``MICRO_BATCHES`` micro-batches of one sequence per GPU (gradient accumulation, as a
+pretraining step is): with one micro-batch the Adam step over every expert parameter would dominate (39 of
+112 ms per iteration of the BF16 grouped run of ``deepseek_small`` on one H200), and the FP8 weights, quantized
+on a step's first micro-batch, would never be reused.
 
 Per run: tokens/s per GPU (global batch x sequence / mean iteration time after the warm-up / GPUs), max
 allocated memory (Megatron's memory report, MiB), final loss (mean of the last quarter of logged losses),
@@ -34,7 +40,9 @@ import os
 import pathlib
 import re
 import signal
+import socket
 import subprocess
+import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -48,7 +56,7 @@ COMMON = ("--transformer-impl local --no-persist-layer-norm --no-gradient-accumu
 CONFIGS = {
     "deepseek_small": "--num-layers 4 --hidden-size 2048 --num-attention-heads 16 --num-experts 64 "
                       "--moe-ffn-hidden-size 1024",
-    "deepseek_v3_slice": "--hidden-size 7168 --num-attention-heads 56 --num-experts 256 --moe-ffn-hidden-size 2048",
+    "deepseek_v3_slice": "--hidden-size 7168 --num-attention-heads 56 --moe-ffn-hidden-size 2048",
 }
 FP8_FLOW = "--fp8-format e4m3 --fp8-recipe blockwise --moe-fp8-flow"
 MOE_EXPERT = "--recompute-granularity selective --recompute-modules moe_expert"
@@ -64,6 +72,7 @@ VARIANTS = {  # name -> (entry: a module for -m or a script path, flags)
     "megatron_bf16_seed_control": ("examples.pretrain_gpt", "--moe-token-dispatcher-type alltoall"),
 }
 WARMUP_ITERS = 10  # iterations left out of the timing
+MICRO_BATCHES = 8  # per GPU per iteration
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+) .*lm loss: ([\d.E+-]+)")
 MEM = re.compile(r"max allocated: ([\d.]+)")
 
@@ -73,16 +82,24 @@ def v3_layers(gpus: int) -> int:
     return 2 if gpus >= 8 else 1
 
 
+def v3_experts(gpus: int) -> int:
+    """DeepSeek-V3-slice experts: V3's 256, or on one GPU the 64 one rank holds at EP=4 (with top-8 and 4096
+    tokens per rank, 512 rows per expert either way)."""
+    return 256 if gpus >= 2 else 64
+
+
 def command(config: str, variant: str, gpus: int, iters: int, seed: int = 1234) -> list[str]:
     """The ``torchrun`` command of one run on ``gpus`` GPUs (EP = ``gpus``)."""
     if config not in CONFIGS or variant not in VARIANTS:
         raise ValueError(f"config must be one of {list(CONFIGS)} and variant one of {list(VARIANTS)}, "
                          f"got {config!r}, {variant!r}")
     entry, flags = VARIANTS[variant]
-    model = CONFIGS[config].split() + (["--num-layers", str(v3_layers(gpus))] if config == "deepseek_v3_slice" else [])
+    model = CONFIGS[config].split() + (["--num-layers", str(v3_layers(gpus)), "--num-experts", str(v3_experts(gpus))]
+                                       if config == "deepseek_v3_slice" else [])
     launch = [entry] if entry.endswith(".py") else ["-m", entry]
-    return ["torchrun", "--nproc_per_node", str(gpus), *launch, *COMMON, *model, *flags.split(),
-            "--expert-model-parallel-size", str(gpus), "--global-batch-size", str(gpus), "--train-iters", str(iters),
+    return ["torchrun", "--nproc_per_node", str(gpus), "--master_port", str(free_port()), *launch, *COMMON, *model, *flags.split(),
+            "--expert-model-parallel-size", str(gpus), "--global-batch-size", str(gpus * MICRO_BATCHES),
+            "--train-iters", str(iters),
             "--seed", str(seed + 1 if variant == "megatron_bf16_seed_control" else seed)]
 
 
@@ -102,9 +119,17 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
                 experts=experts[0] if experts else "")
 
 
+def free_port() -> int:
+    """A TCP port free now on this machine (each run's torchrun rendezvous gets its own)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run(cmd: list[str], timeout: float) -> tuple[str, str]:
     """``(status, output)`` of ``cmd`` from the repository root; past ``timeout`` seconds the whole process
-    group (torchrun and its workers) is killed: status ``timed out``."""
+    group (torchrun and its workers) is killed: status ``timed out``. The group is also killed when this
+    process is interrupted or terminated (``main`` turns SIGTERM into SystemExit), so no worker outlives it."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -114,6 +139,9 @@ def run(cmd: list[str], timeout: float) -> tuple[str, str]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         return "timed out", proc.communicate()[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def main():
@@ -126,6 +154,7 @@ def main():
     parser.add_argument("--train-iters", type=int, default=40)
     parser.add_argument("--run-timeout", type=float, default=540, help="seconds per run, torchrun included")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # runs run()'s cleanup
     gpus = torch.cuda.device_count()
     env = dict(utils.environment(), gpus=gpus, expert_model_parallel_size=gpus,
                deep_ep="importable" if _importable("deep_ep") else "absent: flex runs all-to-all",
@@ -139,18 +168,19 @@ def main():
         began = time.perf_counter()
         status, out = run(cmd, args.run_timeout)
         row = dict(config=args.config, variant=variant, status=status, wall_s=time.perf_counter() - began,
-                   iters=args.train_iters, command=" ".join(cmd))
+                   iters=args.train_iters, micro_batches=MICRO_BATCHES, command=" ".join(cmd))
         try:
-            row.update(parse_log(out, gpus * seq, gpus))
+            row.update(parse_log(out, gpus * MICRO_BATCHES * seq, gpus))
         except ValueError:
             row["log_tail"] = out[-2000:]
         print(variant, status, {k: row.get(k) for k in ("tokens_per_s_per_gpu", "max_allocated_mib", "final_loss")},
               flush=True)
         rows[args.config, variant] = row
-    columns = ["config", "variant", "status", "tokens_per_s_per_gpu", "iter_ms", "max_allocated_mib", "final_loss",
-               "wall_s", "experts"]
+    columns = ["config", "variant", "status", "micro_batches", "tokens_per_s_per_gpu", "iter_ms", "max_allocated_mib",
+               "final_loss", "wall_s", "experts"]
     notes = (f"EP = {gpus} GPUs, TransformerEngine absent (--transformer-impl local: attention and dense layers BF16), "
-             f"mock data, sequence {seq}, micro-batch 1 per GPU; timing excludes the first {WARMUP_ITERS} iterations. "
+             f"mock data, sequence {seq}, `micro_batches` micro-batches of one sequence per GPU per iteration; "
+             f"timing excludes the first {WARMUP_ITERS} iterations. "
              "Commands: the `command` field of each row in the JSON; docs/megatron.md.")
     print(utils.write_results(f"bench_megatron_pretrain_ep{gpus}",
                               f"Megatron pretrain at EP={gpus}: BF16 experts vs FP8-Flow", env, {},

@@ -18,26 +18,27 @@ def _flag(cmd, name):
 
 def test_deepseek_small_on_four_gpus():
     cmd = bench.command("deepseek_small", "fp8_flow_deepep_moe_expert", gpus=4, iters=40)
-    assert cmd[:5] == ["torchrun", "--nproc_per_node", "4", "-m", "examples.pretrain_gpt"]
-    assert _flag(cmd, "--expert-model-parallel-size") == "4" and _flag(cmd, "--global-batch-size") == "4"
+    assert cmd[:4] == ["torchrun", "--nproc_per_node", "4", "--master_port"] and 0 < int(cmd[4]) < 65536
+    assert cmd[5:7] == ["-m", "examples.pretrain_gpt"]
+    assert _flag(cmd, "--expert-model-parallel-size") == "4" and _flag(cmd, "--global-batch-size") == str(4 * bench.MICRO_BATCHES)
     assert int(_flag(cmd, "--num-layers")) >= 4 and int(_flag(cmd, "--hidden-size")) >= 2048
     assert int(_flag(cmd, "--num-experts")) >= 64 and _flag(cmd, "--moe-router-topk") == "8"
     assert {"--moe-grouped-gemm", "--mock-data", "--moe-fp8-flow"} <= set(cmd)
     assert _flag(cmd, "--moe-token-dispatcher-type") == "flex" and _flag(cmd, "--recompute-modules") == "moe_expert"
 
 
-@pytest.mark.parametrize("gpus, layers", [(2, "1"), (4, "1"), (8, "2")])
-def test_deepseek_v3_slice_shapes(gpus, layers):
+@pytest.mark.parametrize("gpus, layers, experts", [(1, "1", "64"), (2, "1", "256"), (4, "1", "256"), (8, "2", "256")])
+def test_deepseek_v3_slice_shapes(gpus, layers, experts):
     cmd = bench.command("deepseek_v3_slice", "megatron_bf16", gpus=gpus, iters=40)
     assert (_flag(cmd, "--hidden-size"), _flag(cmd, "--moe-ffn-hidden-size"), _flag(cmd, "--num-experts")) == (
-        "7168", "2048", "256")
+        "7168", "2048", experts)
     assert _flag(cmd, "--num-layers") == layers and _flag(cmd, "--expert-model-parallel-size") == str(gpus)
     assert "--moe-fp8-flow" not in cmd and _flag(cmd, "--moe-token-dispatcher-type") == "alltoall"
 
 
 def test_variants():
     grouped = bench.command("deepseek_small", "bf16_grouped_mm", gpus=2, iters=10)
-    assert grouped[3].endswith("benchmarks/megatron_grouped_mm.py") and "--moe-fp8-flow" not in grouped
+    assert grouped[5].endswith("benchmarks/megatron_grouped_mm.py") and "--moe-fp8-flow" not in grouped
     assert _flag(bench.command("deepseek_small", "megatron_bf16_seed_control", 2, 10), "--seed") == "1235"
     assert _flag(bench.command("deepseek_small", "fp8_flow_alltoall", 2, 10), "--seed") == "1234"
     with pytest.raises(ValueError, match="variant one of"):
@@ -86,3 +87,18 @@ def test_a_run_past_its_time_limit_is_killed_with_its_children(tmp_path):
     assert not marker.exists()  # the background child went with the group
     assert bench.run([sys.executable, "-c", "print('iteration')"], timeout=30) == ("ok", "iteration\n")
     assert bench.run([sys.executable, "-c", "raise SystemExit(3)"], timeout=30)[0] == "exit 3"
+
+
+def test_an_interrupted_benchmark_kills_the_running_group(tmp_path, monkeypatch):
+    """SIGTERM (an outer ``timeout``) becomes SystemExit in ``main``; ``run`` then kills torchrun's group, so no
+    worker keeps the rendezvous port for the next run."""
+    marker = tmp_path / "child_alive"
+
+    def interrupted(self, timeout=None):
+        raise SystemExit(143)
+
+    monkeypatch.setattr(bench.subprocess.Popen, "communicate", interrupted)
+    with pytest.raises(SystemExit):
+        bench.run(["bash", "-c", f"(sleep 2; touch {marker}) & sleep 30"], timeout=60)
+    time.sleep(3)
+    assert not marker.exists()
