@@ -6,7 +6,10 @@ before the test modules import it.
 """
 
 import os
+import pathlib
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,6 +39,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def survives(code: str) -> str:
+    """Run ``code`` in a fresh Python (the repository importable, this process's TRITON_INTERPRET) and return
+    its output; assert it exited normally. For inputs that once crashed the process (an abort, a segfault):
+    a regression then fails one test instead of ending the suite."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, f"exit {run.returncode}: {run.stderr[-2000:]}"
+    return run.stdout
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

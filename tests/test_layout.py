@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import interpreter_only, survives
 from transformer_engine_moe import quantize_blockwise
 from transformer_engine_moe.layout import (
     check_m_splits,
@@ -170,3 +171,19 @@ def test_device_splits_with_a_negative_size_are_refused_by_every_op(op):
 def test_splits_on_another_device_than_the_rows_are_refused():
     with pytest.raises(ValueError, match="m_splits is on cpu, the rows it splits on meta"):
         check_m_splits(torch.tensor([2, 2]), 4, device="meta")
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=interpreter_only)])
+def test_negative_splits_once_aborted_the_process_now_refused_in_a_subprocess(backend):
+    """The abort itself (``free(): invalid next size`` from repeat_interleave, then a columnwise dequantize),
+    run in its own process: whatever regresses, this suite survives to report it."""
+    out = survives(f"""
+import torch
+from transformer_engine_moe import quantize_blockwise
+try:
+    q = quantize_blockwise(torch.randn(4, 128), columnwise=True, m_splits=torch.tensor([6, -2]), backend={backend!r})
+    q.dequantize(usage="columnwise")
+except ValueError as e:
+    print("ValueError:", e)
+""")
+    assert "ValueError: m_splits must be >= 0 and sum to M=4" in out

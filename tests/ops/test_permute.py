@@ -4,7 +4,7 @@ padding, both routing formats, gradients, bad input, and (GPU) full-size equalit
 import pytest
 import torch
 
-from conftest import CUDA, KERNEL_DEVICE, assert_no_host_sync, requires_cuda
+from conftest import CUDA, KERNEL_DEVICE, assert_no_host_sync, interpreter_only, requires_cuda, survives
 from transformer_engine_moe import (
     Float8BlockwiseQTensor,
     moe_permute,
@@ -356,3 +356,38 @@ def test_unpermute_refuses_a_map_that_names_rows_outside_inp(backend, case):
         pad[2] = 1000
     with pytest.raises(ValueError, match="row_id_map names rows outside inp's"):
         moe_unpermute(y, rmap, pad_offsets=pad, backend=backend)
+
+
+@pytest.mark.skipif(CUDA, reason="on the GPU the check is a device-side assert, which ends the process's CUDA "
+                                   "context; the same check runs before the kernel on the CPU paths here")
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_unpermute_refuses_transformer_engines_descending_map(backend):
+    """TE lists a token's experts in descending order; this package's map ascending. A TE-ordered map (same
+    rows, same experts) is refused by name on every path, not half-read (summed in another order)."""
+    rm = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    y, rmap = moe_permute(torch.randn(4, 128), rm)
+    e = 3
+    te = rmap.clone()
+    for t in range(4):
+        n = int(te[t, 2 * e])
+        te[t, :n], te[t, e:e + n] = rmap[t, :n].flip(0), rmap[t, e:e + n].flip(0)
+    assert moe_unpermute(y, rmap, backend=backend).shape == (4, 128)
+    with pytest.raises(ValueError, match="out of ascending order: a map built by TransformerEngine"):
+        moe_unpermute(y, te, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=interpreter_only)])
+def test_out_of_range_map_once_segfaulted_now_refused_in_a_subprocess(backend):
+    """The segfault (the Triton unpermute reading row 999) run in its own process: a regression fails here
+    instead of ending the suite."""
+    out = survives(f"""
+import torch
+from transformer_engine_moe import moe_permute, moe_unpermute
+y, rmap = moe_permute(torch.randn(4, 128), torch.tensor([[1, 0], [0, 1], [1, 1], [0, 0]], dtype=torch.bool))
+rmap[0, 0] = 999
+try:
+    moe_unpermute(y, rmap, backend={backend!r})
+except ValueError as e:
+    print("ValueError:", e)
+""")
+    assert "ValueError: moe_unpermute: row_id_map names rows outside inp's" in out

@@ -91,6 +91,11 @@ def _check_map_rows(row_id_map: torch.Tensor, pad_offsets: Optional[torch.Tensor
     ok = ((n >= 0) & (n <= e)).all() & torch.where(slot, used_ok, (rows == -1) & (experts == -1)).all()
     check_on_device(ok, f"{op}: row_id_map names rows outside inp's {num_rows} rows (with pad_offsets) or "
                         "malformed entries: pass the map, pad_offsets and output of one permute call")
+    # this package's layout lists a token's experts ascending; TransformerEngine's lists them descending
+    ascending = ((experts[:, 1:] > experts[:, :-1]) | ~slot[:, 1:]).all()
+    check_on_device(ascending, f"{op}: row_id_map lists a token's experts out of ascending order: a map built "
+                               "by TransformerEngine (descending) or by hand; use the map a moe_permute op "
+                               "of this package returned (docs/permute.md)")
 
 
 class _Permute(torch.autograd.Function):
