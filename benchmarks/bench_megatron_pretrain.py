@@ -40,10 +40,13 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
+
+import torch
+
+import utils
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMON = ("--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion "
@@ -94,12 +97,13 @@ def command(config: str, variant: str, gpus: int, iters: int, seed: int = 1234) 
         raise ValueError(f"config must be one of {list(CONFIGS)} and variant one of {list(VARIANTS)}, "
                          f"got {config!r}, {variant!r}")
     entry, flags = VARIANTS[variant]
-    model = CONFIGS[config].split() + (["--num-layers", str(v3_layers(gpus)), "--num-experts", str(v3_experts(gpus))]
-                                       if config == "deepseek_v3_slice" else [])
+    v3 = ["--num-layers", str(v3_layers(gpus)), "--num-experts", str(v3_experts(gpus))]
+    model = CONFIGS[config].split() + (v3 if config == "deepseek_v3_slice" else [])
     launch = [entry] if entry.endswith(".py") else ["-m", entry]
-    return ["torchrun", "--nproc_per_node", str(gpus), "--master_port", str(free_port()), *launch, *COMMON, *model, *flags.split(),
-            "--expert-model-parallel-size", str(gpus), "--global-batch-size", str(gpus * MICRO_BATCHES),
-            "--train-iters", str(iters),
+    # each run's torchrun rendezvous on its own port: a run killed late cannot hold the next one's
+    return ["torchrun", "--nproc_per_node", str(gpus), "--master_port", str(utils.free_port()), *launch, *COMMON,
+            *model, *flags.split(), "--expert-model-parallel-size", str(gpus),
+            "--global-batch-size", str(gpus * MICRO_BATCHES), "--train-iters", str(iters),
             "--seed", str(seed + 1 if variant == "megatron_bf16_seed_control" else seed)]
 
 
@@ -117,13 +121,6 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
                 max_allocated_mib=max((float(m) for m in MEM.findall(text)), default=float("nan")),
                 final_loss=sum(loss for *_, loss in tail) / len(tail), curve=[loss for *_, loss in logged],
                 experts=experts[0] if experts else "")
-
-
-def free_port() -> int:
-    """A TCP port free now on this machine (each run's torchrun rendezvous gets its own)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run(cmd: list[str], timeout: float) -> tuple[str, str]:
@@ -145,9 +142,6 @@ def run(cmd: list[str], timeout: float) -> tuple[str, str]:
 
 
 def main():
-    import torch
-    import utils
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=list(CONFIGS), default="deepseek_small")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))

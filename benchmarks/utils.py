@@ -154,6 +154,13 @@ def ep_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def free_port() -> int:
+    """A TCP port free now on 127.0.0.1, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def ep_run(worker: Callable, args, description: str, *worker_args):
     """Run ``worker(rank, world, cpu, *worker_args)`` on every EP rank, one process each: every visible GPU
     (NCCL), or ``args.world`` CPU processes (gloo) with ``args.cpu``. Returns ``(what rank 0's worker
@@ -164,9 +171,7 @@ def ep_run(worker: Callable, args, description: str, *worker_args):
         _, env, ceilings, _ = start(description)
         world = torch.cuda.device_count()
     env["ep_size"] = world
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_ep_process, args=(world, port, queue, worker, args.cpu, worker_args), nprocs=world, join=True)
     return queue.get(), env, ceilings, world, "_cpu" if args.cpu else ""

@@ -29,7 +29,7 @@ def scale(chunk_size, noop_flag, tensor_lists, scale):
     """``multi_tensor_scale``'s contract: ``tensor_lists[1][i] = tensor_lists[0][i] * scale`` (in place when
     the two lists are one), in foreach kernels."""
     src, dst = tensor_lists
-    if src is dst or all(s is d for s, d in zip(src, dst)):
+    if all(s is d for s, d in zip(src, dst)):
         torch._foreach_mul_(dst, scale)
     elif isinstance(scale, (int, float)) and scale == 1.0:
         torch._foreach_copy_(dst, src)

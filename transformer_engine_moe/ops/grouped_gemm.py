@@ -106,8 +106,7 @@ def _impl(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reducti
     if backend == "auto" and a.is_cuda:
         kind = ("wgrad_fp32" if out_dtype == torch.float32 else "wgrad") if wgrad else "fprop"
         for name in AUTO_ORDER[kind]:
-            if name == "cublas" and isinstance(m_splits, list) and m_splits and not cublas_pays(
-                    kind, m_splits, weight_elements):
+            if name == "cublas" and isinstance(m_splits, list) and not cublas_pays(kind, m_splits, weight_elements):
                 continue
             if _why_not(name, a, b_dtype, m_splits, reduction, out_dtype, wgrad) is None:
                 return IMPLEMENTATIONS[name]
