@@ -43,19 +43,19 @@ def relerr(a, b):
     return (num / den) ** 0.5
 
 
-def operands(e, m, n, k):
+def operands(e, m, n, k, device="cuda"):
     """FP8 operands of the three GEMMs for ``e`` equal groups of ``m // e`` rows, and their BF16 twins."""
     splits = [m // e] * e
-    st = torch.tensor(splits, device="cuda", dtype=torch.int32)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
-    wb = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    st = torch.tensor(splits, device=device, dtype=torch.int32)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device=device, dtype=torch.bfloat16)
+    wb = torch.randn(e, n, k, device=device, dtype=torch.bfloat16) * 0.02
     xq, dyq = quantize_blockwise(x), quantize_blockwise(dy)
     w, wt = quantize_grouped_weight(list(wb.unbind(0)))
     return dict(splits=splits, st=st, x=x, dy=dy, wb=wb, xq=xq, dyq=dyq, w=w, wt=wt,
                 xt=scaling_aware_transpose(xq, splits), dyt=scaling_aware_transpose(dyq, splits),
                 xt_st=scaling_aware_transpose(xq, st), dyt_st=scaling_aware_transpose(dyq, st),
-                acc=torch.zeros(wb.shape, device="cuda"))
+                acc=torch.zeros(wb.shape, device=device))
 
 
 def calls(o, backend):
@@ -92,9 +92,8 @@ def auto_backend(o, op, n, k) -> str:
     wgrad = op.startswith("wgrad")
     a = o["dyt"].columnwise_data if wgrad else (o["xq"] if op == "fprop" else o["dyq"]).rowwise_data
     out = torch.float32 if op == "wgrad_main_grad" else torch.bfloat16
-    mod = _impl("auto", a, torch.float8_e4m3fn, o["splits"], k if op == "fprop" else n, out, op, wgrad=wgrad)
-    return {"grouped_gemm": "triton"}.get(mod.__name__.rsplit(".", 1)[-1],
-                                          mod.__name__.rsplit("_", 1)[-1])
+    return _impl("auto", a, torch.float8_e4m3fn, o["splits"], k if op == "fprop" else n, out, op, wgrad=wgrad,
+                 weight_elements=n * k).name
 
 
 def run(rows_per_expert, gemm, ops) -> list[dict]:

@@ -34,3 +34,13 @@ def test_every_results_file_has_its_script():
     for path in (BENCHMARKS / "results").iterdir():
         assert any(path.name.startswith(stem) for stem in stems), path.name
     assert {"bench_dispatch", "bench_grouped_linear", "bench_grouped_gemm"} <= set(stems)
+
+
+def test_bench_grouped_gemm_names_the_backend_auto_picks(monkeypatch):
+    """bench_grouped_gemm marks auto's pick by the implementation's name (on the CPU: the reference)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_grouped_gemm as bench
+
+    o = bench.operands(2, 256, 128, 128, device="cpu")
+    assert [bench.auto_backend(o, op, 128, 128) for op in ("fprop", "dgrad", "wgrad", "wgrad_main_grad")] == \
+        ["reference"] * 4

@@ -28,12 +28,23 @@ from ..layout import num_column_blocks
 from .casts import cast_for_store, use_software_cast
 from .groups import column_block_rows, group_extent, group_sizes_arg
 
-# Launch shapes (BLOCK_N, GROUP_M, num_warps, num_stages), from benchmarks/bench_grouped_gemm.py's sweep.
-GEMM_CONFIG = (64, 16, 4, 3)
+# Launch shapes (BLOCK_N, GROUP_M, num_warps, num_stages), from benchmarks/bench_grouped_gemm.py's sweep:
+# a 128x128 tile on two warpgroups (H100: 733-840 TFLOP/s at DeepSeek-V3 shapes, 559-596 for 128x64 on one).
+GEMM_CONFIG = (128, 16, 8, 3)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) of the wgrad kernel: one warpgroup on a 128x64 tile, so that
 # several programs share an SM and one's MMAs run while another promotes (H200, 64x2048 / 128x1024 rows,
 # fc1 and fc2: 614-630 / 514-522 TFLOP/s, against 505 / 428 for 128x128 with 8 warps; bitwise same).
 WGRAD_CONFIG = (128, 64, 4, 3)
+
+
+@triton.jit
+def _scaled_block(a_tile, b_tile, sa_row, sb_tile, row_ok, kb, stride_br, stride_bsr):
+    """(dot of A's and B's 128-wide K block ``kb`` in float32, its per-row scale ``sa * sb``): one
+    128x128 weight block spans the tile's columns, so the B scale is a scalar."""
+    a = tl.load(a_tile + kb * 128, mask=row_ok[:, None], other=0.0)
+    b = tl.load(b_tile + kb * 128 * stride_br)
+    scale = tl.load(sa_row + kb, mask=row_ok, other=0.0) * tl.load(sb_tile + kb * stride_bsr)
+    return tl.dot(a, b), scale
 
 
 @triton.jit
@@ -43,8 +54,9 @@ def _grouped_gemm_kernel(
     R: tl.constexpr, GROUPED: tl.constexpr, MAX_GROUPS: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """One [128, BLOCK_N] tile of C (N % BLOCK_N == 0): A's column block ``pid_m`` (group-relative 128 rows)
-    times B_g."""
+    """One [128, BLOCK_N] tile of C (N % BLOCK_N == 0, BLOCK_N <= 128 within one 128-column weight block):
+    A's column block ``pid_m`` (group-relative 128 rows) times B_g. Two K blocks per iteration: the second
+    block's MMAs are issued before the first one's promotion (docs/grouped_gemm.md)."""
     num_pid_n = N // BLOCK_N
     num_pid_m = tl.num_programs(0) // num_pid_n
     pid = tl.program_id(0)
@@ -64,14 +76,17 @@ def _grouped_gemm_kernel(
         kk = tl.arange(0, 128)
         a_tile = a_ptr + rows64[:, None] * R + kk[None, :]
         b_tile = b_ptr + g.to(tl.int64) * stride_bg + kk[:, None] * stride_br + cols[None, :] * stride_bn
-        bs_row = bs_ptr + g * stride_bsg + (cols // 128) * stride_bsn
+        sa_row = as_ptr + rows64 * (R // 128)
+        sb_tile = bs_ptr + g * stride_bsg + (pid_n * BLOCK_N // 128) * stride_bsn
         acc = tl.zeros((128, BLOCK_N), tl.float32)
-        for kb in tl.range(0, R // 128, num_stages=NUM_STAGES):
-            a = tl.load(a_tile + kb * 128, mask=row_ok[:, None], other=0.0)
-            b = tl.load(b_tile + kb * 128 * stride_br)
-            sa = tl.load(as_ptr + rows64 * (R // 128) + kb, mask=row_ok, other=0.0)
-            sb = tl.load(bs_row + kb * stride_bsr)
-            acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        for kp in tl.range(0, R // 256, num_stages=NUM_STAGES):
+            p0, s0 = _scaled_block(a_tile, b_tile, sa_row, sb_tile, row_ok, 2 * kp, stride_br, stride_bsr)
+            p1, s1 = _scaled_block(a_tile, b_tile, sa_row, sb_tile, row_ok, 2 * kp + 1, stride_br, stride_bsr)
+            acc += p0 * s0[:, None]
+            acc += p1 * s1[:, None]
+        if R // 128 % 2:
+            p, s = _scaled_block(a_tile, b_tile, sa_row, sb_tile, row_ok, R // 128 - 1, stride_br, stride_bsr)
+            acc += p * s[:, None]
         c = c_ptr + rows64[:, None] * N + cols[None, :]
         tl.store(c, cast_for_store(acc, c_ptr.dtype.element_ty, SOFTWARE_CAST), mask=row_ok[:, None])
 
@@ -148,8 +163,8 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
     # B_g[r, n] = b[g, n, r]
     strides = (b.stride(0), b.stride(2), b.stride(1), b_scale_inv.stride(0), b_scale_inv.stride(2),
                b_scale_inv.stride(1))
-    if n % block_n:
-        raise ValueError(f"N={n} must be a multiple of BLOCK_N={block_n}")
+    if n % block_n or 128 % block_n:
+        raise ValueError(f"N={n} must be a multiple of BLOCK_N={block_n}, which must divide 128")
     grid = (num_column_blocks(m, m_splits) * (n // block_n),)
     _grouped_gemm_kernel[grid](
         a, a_scale_inv, b, b_scale_inv, c, sizes, g, m, n, *strides,
