@@ -161,7 +161,8 @@ def main():
         cmd = command(args.config, variant, gpus, args.train_iters)
         began = time.perf_counter()
         status, out = run(cmd, args.run_timeout)
-        row = dict(config=args.config, variant=variant, status=status, wall_s=time.perf_counter() - began,
+        row = dict(config=args.config, variant=variant, status=status, device=env["device"],
+                   wall_s=time.perf_counter() - began,
                    iters=args.train_iters, micro_batches=MICRO_BATCHES, command=" ".join(cmd))
         try:
             row.update(parse_log(out, gpus * MICRO_BATCHES * seq, gpus))
@@ -170,11 +171,12 @@ def main():
         print(variant, status, {k: row.get(k) for k in ("tokens_per_s_per_gpu", "max_allocated_mib", "final_loss")},
               flush=True)
         rows[args.config, variant] = row
-    columns = ["config", "variant", "status", "micro_batches", "tokens_per_s_per_gpu", "iter_ms", "max_allocated_mib",
+    columns = ["config", "variant", "device", "status", "micro_batches", "tokens_per_s_per_gpu", "iter_ms", "max_allocated_mib",
                "final_loss", "wall_s", "experts"]
     notes = (f"EP = {gpus} GPUs, TransformerEngine absent (--transformer-impl local: attention and dense layers BF16), "
              f"mock data, sequence {seq}, `micro_batches` micro-batches of one sequence per GPU per iteration; "
              f"timing excludes the first {WARMUP_ITERS} iterations. "
+             "Rows are kept across runs (one config per run): compare rows of one device and one micro_batches only. "
              "Commands: the `command` field of each row in the JSON; docs/megatron.md.")
     print(utils.write_results(f"bench_megatron_pretrain_ep{gpus}",
                               f"Megatron pretrain at EP={gpus}: BF16 experts vs FP8-Flow", env, {},
