@@ -54,6 +54,15 @@ def test_fprop_and_dgrad_match_reference(splits, as_tensor):
                                       backend="reference")) < TOL
 
 
+@pytest.mark.parametrize("k", [128, 640], ids=["one-k-block", "odd-k-blocks"])
+def test_fprop_odd_number_of_k_blocks(k):
+    """The kernel takes K blocks two at a time: an odd count ends with one block alone (one block: only it)."""
+    splits = [72, 0, 128]
+    w, x = weights(3, 128, k), act(200, k)
+    out = grouped_gemm(x, w, splits, out_dtype=torch.float32, backend="triton")
+    assert relerr(out, grouped_gemm(x, w, splits, out_dtype=torch.float32, backend="reference")) < TOL
+
+
 def test_bf16_output_and_list_tensor_splits_identical():
     splits = [100, 0, 156]
     w, x = weights(3, 128, 256), act(256, 256)
