@@ -102,11 +102,11 @@ def test_round_trip_is_exact_for_top1(backend):
     ones = torch.ones(40, 4, device=KERNEL_DEVICE)
     out, _, rmap = moe_permute_with_probs(x, ones, rm, 40, backend=backend)
     assert torch.equal(moe_unpermute(out, rmap, ones, backend=backend), x)
-    out, _, rmap, pad, _ = moe_permute_and_pad_with_probs(x, ones, rm, None, 16, 40, backend=backend)
+    out, _, rmap, pad, _ = moe_permute_and_pad_with_probs(x, ones, rm, rm.sum(0), 16, 40, backend=backend)
     assert torch.equal(moe_unpermute(out, rmap, ones, pad_offsets=pad, backend=backend), x)
 
 
-@pytest.mark.parametrize("align", [0, 1, 16, 128])
+@pytest.mark.parametrize("align", [1, 16, 128])
 @pytest.mark.parametrize("case", ["random", "one_expert"])
 @pytest.mark.parametrize("t", [0, 33])
 def test_fp8_permute_and_pad_matches_reference_and_keeps_bytes(align, case, t):
@@ -147,7 +147,7 @@ def test_host_tokens_per_expert_gives_the_exact_padded_size(backend, case):
     q = quantize_blockwise(torch.randn(t, 256, device=KERNEL_DEVICE).bfloat16())
     counts = rm.sum(0).tolist()
     exact = moe_permute_and_pad_with_probs(q, probs, rm, counts, align, backend=backend)
-    worst = moe_permute_and_pad_with_probs(q, probs, rm, None, align, t * k, backend=backend)
+    worst = moe_permute_and_pad_with_probs(q, probs, rm, rm.sum(0), align, t * k, backend=backend)
     rows = sum(-(-c // align) * align for c in counts)
     assert exact[0].shape == (rows, 256) and worst[0].shape[0] > rows
     assert torch.equal(exact[0].rowwise_data.view(torch.uint8), worst[0].rowwise_data.view(torch.uint8)[:rows])
@@ -201,7 +201,7 @@ def test_gradients_match_autograd_of_the_loop_formulas(backend):
     rm, probs0 = routing(t, e, k)
     x = torch.randn(t, h, device=KERNEL_DEVICE, requires_grad=True)
     probs = probs0.clone().requires_grad_()
-    out, pprobs, rmap, pad, _ = moe_permute_and_pad_with_probs(x, probs, rm, None, 8, t * k, backend=backend)
+    out, pprobs, rmap, pad, _ = moe_permute_and_pad_with_probs(x, probs, rm, rm.sum(0), 8, t * k, backend=backend)
     merge = torch.rand(t, e, device=KERNEL_DEVICE, requires_grad=True)
     w_out = torch.randn(out.shape, device=KERNEL_DEVICE)
     w_probs = torch.randn(pprobs.shape, device=KERNEL_DEVICE)
@@ -259,7 +259,18 @@ def test_unpermute_backward_kernel_matches_reference():
         (lambda x, rm, p: moe_permute_with_probs(x, p[:, :2], rm, 8), ValueError, r"probs must have shape \[4, 3\]"),
         (lambda x, rm, p: moe_permute_with_probs(x, p, rm, 1), ValueError, "more than num_out_tokens=1"),
         (lambda x, rm, p: moe_permute_with_probs(x, p, rm, -1), ValueError, "non-negative int"),
-        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, None, -2), ValueError, "align_size"),
+        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, rm.sum(0), -2), ValueError, "align_size"),
+        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, rm.sum(0), 0), ValueError,
+         r"align_size must be a positive int \(1: no padding\), got 0"),
+        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, None, 16), ValueError,
+         "tokens_per_expert must be given"),
+        (lambda x, rm, p: moe_permute(x, rm, 8, map_type="index"), ValueError, "map_type='index'.*not supported"),
+        (lambda x, rm, p: moe_permute(x, rm, 8, map_type="bogus"), ValueError, "map_type must be 'mask' or 'index'"),
+        (lambda x, rm, p: moe_permute(x, rm, 8, max_token_num=None), TypeError, "max_token_num must be an int"),
+        (lambda x, rm, p: moe_unpermute(x, torch.zeros(4, 7, dtype=torch.int32), map_type="index"), ValueError,
+         "moe_unpermute: map_type='index'"),
+        (lambda x, rm, p: moe_unpermute(x, torch.zeros(4, 7, dtype=torch.int32), p, probs=p), ValueError,
+         "both merging_probs and its deprecated name probs"),
         (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, torch.zeros(3), 16, 8), ValueError,
          "tokens_per_expert differs"),
         (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, [2, 2, 0], 16), ValueError,
@@ -287,7 +298,8 @@ def test_unpermute_backward_kernel_matches_reference():
         (lambda x, rm, p: routing_map_to_topk(p[:, :2], rm, 2), ValueError, r"probs must have shape \[4, 3\]"),
     ],
     ids=["int-inp", "1d-inp", "map-rows", "map-float", "probs-shape", "too-few-rows", "negative-rows",
-         "align", "tpe", "tpe-list", "tpe-list-len", "tpe-shape", "fp8-unpermute", "map-dtype", "merge-shape", "restore", "id-range", "id-twice",
+         "align", "align-0", "tpe-none", "map-type-index", "map-type-bogus", "max-token-num", "unpermute-index",
+         "probs-twice", "tpe", "tpe-list", "tpe-list-len", "tpe-shape", "fp8-unpermute", "map-dtype", "merge-shape", "restore", "id-range", "id-twice",
          "id-dtype", "rm-dtype", "topk-range", "too-many", "rm-probs-shape"],
 )
 def test_bad_input_is_rejected_clearly(call, exc, match):
@@ -295,6 +307,38 @@ def test_bad_input_is_rejected_clearly(call, exc, match):
     rm = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
     with pytest.raises(exc, match=match):
         call(x, rm, torch.rand(4, 3))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_transformer_engines_argument_forms(backend):
+    """TransformerEngine's signatures: moe_permute(inp, routing_map, num_out_tokens, max_token_num, map_type)
+    and moe_unpermute(inp, row_id_map, merging_probs, restore_shape, map_type, probs, pad_offsets), positionally;
+    ``probs`` is TE's deprecated name of ``merging_probs``."""
+    rm, probs = routing(20, 4, 2)
+    x = torch.randn(20, 128, device=KERNEL_DEVICE)
+    out, rmap = moe_permute(x, rm, 40, -1, "mask", backend=backend)
+    assert torch.equal(out, moe_permute(x, rm, 40, backend=backend)[0])
+    want = moe_unpermute(out, rmap, probs, backend=backend)
+    assert torch.equal(moe_unpermute(out, rmap, probs, (20, 128), "mask", backend=backend), want)
+    with pytest.warns(DeprecationWarning, match="probs is deprecated"):
+        assert torch.equal(moe_unpermute(out, rmap, probs=probs, backend=backend), want)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded"])
+def test_backward_with_no_routed_rows(backend, padded):
+    """No token routed anywhere (zero output rows): backward gives zero gradients (it indexed an empty
+    gradient of the permuted probs before)."""
+    x = torch.randn(4, 128, device=KERNEL_DEVICE, requires_grad=True)
+    probs = torch.rand(4, 3, device=KERNEL_DEVICE, requires_grad=True)
+    rm = torch.zeros(4, 3, dtype=torch.bool, device=KERNEL_DEVICE)
+    if padded:
+        out, pprobs, _, _, _ = moe_permute_and_pad_with_probs(x, probs, rm, [0, 0, 0], 16, backend=backend)
+    else:
+        out, pprobs, _ = moe_permute_with_probs(x, probs, rm, 0, backend=backend)
+    assert out.shape == (0, 128) and pprobs.shape == (0,)
+    (out.sum() + pprobs.sum()).backward()
+    assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(probs.grad, torch.zeros_like(probs))
 
 
 def test_moe_permute_without_probs():
@@ -326,7 +370,7 @@ def test_gpu_no_host_sync():
     probs.requires_grad_()
 
     def step():
-        out, pprobs, rmap, pad, padded = moe_permute_and_pad_with_probs(q, probs, rm, None, 128, 2048 * 8)
+        out, pprobs, rmap, pad, padded = moe_permute_and_pad_with_probs(q, probs, rm, rm.sum(0), 128, 2048 * 8)
         y = moe_unpermute(out.dequantize(torch.bfloat16) * 2, rmap, probs, pad_offsets=pad)
         (y.float().sum() + pprobs.sum()).backward()
 
@@ -342,7 +386,7 @@ def test_unpermute_refuses_a_map_that_names_rows_outside_inp(backend, case):
     Triton kernel and read garbage; now every path refuses it by name before indexing (CPU: the
     reference and the Triton kernel in the interpreter)."""
     rm = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
-    y, _, rmap, pad, _ = moe_permute_and_pad_with_probs(torch.randn(4, 128), torch.rand(4, 3), rm, None, 16)
+    y, _, rmap, pad, _ = moe_permute_and_pad_with_probs(torch.randn(4, 128), torch.rand(4, 3), rm, rm.sum(0), 16)
     y = y.dequantize() if isinstance(y, Float8BlockwiseQTensor) else y
     assert moe_unpermute(y, rmap, pad_offsets=pad, backend=backend).shape == (4, 128)  # as returned: fine
     rmap, pad = rmap.clone(), pad.clone()

@@ -10,6 +10,7 @@ scale_inv 1; probs 0).
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Sequence
 
 import torch
@@ -66,6 +67,16 @@ def _check_probs(probs, shape, device, name="probs") -> Optional[torch.Tensor]:
 def _check_count(value, name) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
+
+
+def _check_map_type(map_type, op: str) -> None:
+    """TransformerEngine's ``map_type`` argument: only its ``'mask'`` routing is implemented here."""
+    if map_type == "index":
+        raise ValueError(f"{op}: map_type='index' (TransformerEngine's [num_tokens, topk] expert ids and its "
+                         "index row map) is not supported; pass the [num_tokens, num_experts] mask with "
+                         "map_type='mask' (topk_to_routing_map converts top-k ids)")
+    if map_type != "mask":
+        raise ValueError(f"{op}: map_type must be 'mask' or 'index', got {map_type!r}")
 
 
 def _check_row_id_map(row_id_map) -> int:
@@ -132,8 +143,9 @@ class _Permute(torch.autograd.Function):
             rows, experts = row_id_map[:, :e].long(), row_id_map[:, e : 2 * e].long()
             valid = rows >= 0
             final = rows.clamp(min=0) + (pad_offsets[experts.clamp(min=0)] if pad_offsets is not None else 0)
-            picked = torch.where(valid, grad_probs[final], torch.zeros((), dtype=grad_probs.dtype,
-                                                                        device=grad_probs.device))
+            # unrouted pairs read an appended zero (also when no row was routed: grad_probs is then empty)
+            padded_grad = torch.cat([grad_probs, grad_probs.new_zeros(1)])
+            picked = padded_grad[torch.where(valid, final, grad_probs.shape[0])]
             grad_in_probs = torch.zeros(shape, dtype=grad_probs.dtype, device=grad_probs.device)
             grad_in_probs.scatter_add_(1, experts.clamp(min=0), picked)
             grad_in_probs = grad_in_probs.to(dtype)
@@ -206,15 +218,20 @@ def _check_tokens_per_expert(tokens_per_expert, num_experts: int) -> Optional[li
     return None
 
 
-def moe_permute(inp, routing_map: torch.Tensor, num_out_tokens: Optional[int] = None, *, backend: str = "auto"):
+def moe_permute(inp, routing_map: torch.Tensor, num_out_tokens: Optional[int] = None, max_token_num: int = -1,
+                map_type: str = "mask", *, backend: str = "auto"):
     """Permute tokens expert-major: ``(output [num_out_tokens, H], row_id_map [T, 2E+1])``.
 
     ``inp``: ``[T, H]`` bf16/fp16/fp32 or a rowwise 1x128 Float8BlockwiseQTensor
     (its scale rows move with the data; the output is one too). ``routing_map``:
     ``[T, E]`` bool/int mask (DeepEP's top-k format: ``topk_to_routing_map``).
     ``num_out_tokens``: output rows, at least the routed pairs (e.g. ``T * topk``;
-    default ``T * E``); unused rows are zero.
+    default ``T * E``); unused rows are zero. ``max_token_num`` and ``map_type`` are
+    TransformerEngine's: the first is ignored for a mask (as there), the second must be ``'mask'``.
     """
+    _check_map_type(map_type, "moe_permute")
+    if not isinstance(max_token_num, int) or isinstance(max_token_num, bool):
+        raise TypeError(f"moe_permute: max_token_num must be an int (ignored for a mask), got {max_token_num!r}")
     out, _, row_id_map, _, _ = _permute(inp, None, routing_map, num_out_tokens, None, None, backend, "moe_permute")
     return out, row_id_map
 
@@ -239,15 +256,20 @@ def moe_permute_and_pad_with_probs(
 
     Returns ``(output, permuted_probs, row_id_map, pad_offsets [E] int64,
     padded_tokens_per_expert [E] int64)``. ``tokens_per_expert`` (``routing_map.sum(0)``,
-    checked on the device) may be None, a device tensor, or a host list: with a host list
-    (what a dispatcher holds) the output has exactly ``sum(ceil(count / align_size) *
-    align_size)`` rows, as TransformerEngine's; otherwise the worst-case
-    ``num_out_tokens + E * (align_size - 1)`` rows (``num_out_tokens`` default ``T * E``),
-    the slack at the end. Padding rows between experts and slack rows are zero (FP8:
-    scale_inv 1). ``align_size`` 0 or 1: no padding. Pass ``pad_offsets`` to ``moe_unpermute``.
+    checked on the device; required, as in TransformerEngine) is a device tensor or a host
+    list: with a host list (what a dispatcher holds) the output has exactly
+    ``sum(ceil(count / align_size) * align_size)`` rows, as TransformerEngine's; with a
+    tensor (no host sync) the worst-case ``num_out_tokens + E * (align_size - 1)`` rows
+    (``num_out_tokens`` default ``T * E``), the slack at the end. Padding rows between
+    experts and slack rows are zero (FP8: scale_inv 1). ``align_size`` >= 1 (1: no
+    padding). Pass ``pad_offsets`` to ``moe_unpermute``.
     """
-    if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size < 0:
-        raise ValueError(f"align_size must be a non-negative int, got {align_size!r}")
+    if tokens_per_expert is None:
+        raise ValueError("moe_permute_and_pad_with_probs: tokens_per_expert must be given (routing_map.sum(0) as "
+                         "a device tensor, or the dispatcher's host list), as in TransformerEngine")
+    if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size < 1:
+        raise ValueError(f"moe_permute_and_pad_with_probs: align_size must be a positive int (1: no padding), "
+                         f"got {align_size!r}")
     return _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_expert, backend,
                     "moe_permute_and_pad_with_probs")
 
@@ -257,6 +279,8 @@ def moe_unpermute(
     row_id_map: torch.Tensor,
     merging_probs: Optional[torch.Tensor] = None,
     restore_shape: Optional[Sequence[int]] = None,
+    map_type: str = "mask",
+    probs: Optional[torch.Tensor] = None,
     pad_offsets: Optional[torch.Tensor] = None,
     *,
     backend: str = "auto",
@@ -267,8 +291,16 @@ def moe_unpermute(
     ``merging_probs``: ``[T, E]`` (None: plain sum); ``pad_offsets``: what
     ``moe_permute_and_pad_with_probs`` returned (padding rows are skipped).
     Float32 accumulation in ascending expert order, one cast to ``inp``'s dtype.
-    Returns ``[T, H]``, or ``restore_shape``.
+    Returns ``[T, H]``, or ``restore_shape``. TransformerEngine's signature: ``map_type``
+    must be ``'mask'``; ``probs`` is its deprecated name of ``merging_probs`` (a warning).
     """
+    _check_map_type(map_type, "moe_unpermute")
+    if probs is not None:
+        if merging_probs is not None:
+            raise ValueError("moe_unpermute: both merging_probs and its deprecated name probs were given")
+        warnings.warn("moe_unpermute: probs is deprecated (as in TransformerEngine); pass merging_probs",
+                      DeprecationWarning, stacklevel=2)
+        merging_probs = probs
     if isinstance(inp, Float8BlockwiseQTensor):
         raise TypeError("moe_unpermute merges high-precision expert outputs; dequantize the FP8 tensor first")
     if not isinstance(inp, torch.Tensor) or inp.dtype not in HIGH_PRECISION_DTYPES or inp.dim() != 2:
