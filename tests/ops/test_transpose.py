@@ -36,17 +36,21 @@ def activations(m, k, device=KERNEL_DEVICE, dtype=torch.bfloat16):
 
 def expected_columnwise(t: Float8BlockwiseQTensor, m_splits):
     """The rule as a float formula: fp8_rne(dequantize(rowwise) / s_col) * s_col, where s_col is the
-    largest row scale_inv in each (column block, 128-column block), and fp8() the quantizer's cast
-    (round-to-nearest-even; NaN -> 0x7F, E5M2 inf -> max; nothing finite overflows: s_col >= s_row)."""
+    largest row scale_inv in each (column block, 128-column block) among the rows not all zero there (1 if
+    none), and fp8() the quantizer's cast (round-to-nearest-even; NaN -> 0x7F, E5M2 inf -> max; nothing
+    finite overflows: s_col >= s_row)."""
     m, k = t.rowwise_data.shape
     rows = dequantize_1x128(t.rowwise_data, t.rowwise_scale_inv, torch.float32).cpu()
-    s_row = t.rowwise_scale_inv.cpu().repeat_interleave(128, dim=1)[:, :k]
+    kb = t.rowwise_scale_inv.shape[1]
+    live = torch.nn.functional.pad(rows != 0, (0, kb * 128 - k)).view(m, kb, 128).any(-1)  # NaN counts
+    s_row = torch.where(live, t.rowwise_scale_inv.cpu(), 0.0).repeat_interleave(128, dim=1)[:, :k]
     block = column_block_of_row(m, m_splits, "cpu")
     s_col = torch.empty_like(s_row)
     for b in block.unique():
         sel = block == b
         s_col[sel] = s_row[sel].amax(dim=0)
-    return cast_to_fp8(rows / s_col, t.fp8_dtype).float() * s_col, s_col
+    s_col = torch.where(s_col > 0, s_col, 1.0)
+    return torch.where(rows == 0, rows, cast_to_fp8(rows / s_col, t.fp8_dtype).float() * s_col), s_col
 
 
 def _same(a, b):
@@ -71,6 +75,24 @@ def test_rule_holds_for_every_element(fp8, splits, backend):
     safe = (rows.abs() / s_col >= min_normal) | (rows == 0)
     assert _same(got.cpu()[safe], rows[safe])
     assert (~safe).any()  # the data does exercise underflow
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+def test_zero_rows_do_not_set_the_column_scale(fp8, backend):
+    """Padding rows (zero, scale 1 as TE quantizes an all-zero block) next to small gradients: the column
+    scale is the largest scale of the nonzero rows, so those rows survive the transpose (with the zero rows'
+    1 counted they were flushed to zero, and the wgrad of every expert's last, padded block with them)."""
+    g = torch.zeros(128, 256)
+    g[:40] = torch.randn(40, 256) * 1e-5
+    g[40:48, :128] = torch.randn(8, 128) * 3e-6  # rows zero in one column block only
+    t = scaling_aware_transpose(quantize_blockwise(g.to(KERNEL_DEVICE), fp8_dtype=fp8), [96, 32], backend=backend)
+    assert (t.rowwise_scale_inv[48:] == 1).all()
+    assert (t.columnwise_scale_inv[0] < 2.0**-10).all() and (t.columnwise_scale_inv[1] == 1).all()  # all zero
+    want, _ = expected_columnwise(t, [96, 32])
+    assert _same(t.dequantize(usage="columnwise").cpu(), want)
+    rows, cols = t.dequantize().cpu(), t.dequantize(usage="columnwise").cpu()
+    assert ((cols - rows).norm() / rows.norm()).item() < 0.05  # only the shifts of smaller rows lose bits
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)

@@ -6,8 +6,8 @@ each group's ``[K, m_g]`` after the previous one, ``layout.py``) with block-majo
 ``scale_inv_t [num_column_blocks, K]``, blocks restarting at each group (rule in
 ``reference/transpose.py``). One launch, no host sync: ``_scaling_aware_transpose_kernel``,
 one program per column block (128 rows of one group) and KB_TILE 128-column blocks (the
-group looked up once), per 128-column block reads the block's row scales, writes its
-column scales, shifts the codes by the per-row exponent difference and stores them
+group looked up once), per 128-column block reads the codes and the row scales, writes its
+column scales (from the rows with a nonzero code), shifts the codes by the per-row exponent difference and stores them
 transposed into the group's own ``[K, m_g]`` block. One read
 and one write of FP8. Those transposed stores are 16-byte vectors only when the compiler
 can prove the group's first row and size multiples of 16: a run-time branch rewrites them
@@ -86,19 +86,21 @@ def shift_fp8_down(code, d, E5M2: tl.constexpr, SOFTWARE_CAST: tl.constexpr):
 
 
 @triton.jit
-def _column_block_scales(s_ptr, rows, row_ok, kb, num_kb, count):
-    """The block's column scale_inv (the largest row scale, NaN unless every valid row's is a power of two:
-    a row marked non-finite by its quantizer (scale_inv NaN) or mislabelled; 1 for an unused block) and each
-    row's exponent shift ``d`` to the largest biased exponent (255 when a row's scale is NaN: the block's
-    codes are then those shifts, meaningless under its NaN scale)."""
+def _column_block_scales(s_ptr, rows, row_ok, live, kb, num_kb):
+    """The block's column scale_inv (the largest scale of the ``live`` rows, those whose codes are not all
+    zero; NaN unless every valid row's is a power of two: a row marked non-finite by its quantizer
+    (scale_inv NaN) or mislabelled; 1 when no row is live) and each live row's exponent shift ``d`` to the
+    largest biased exponent (255 when a row's scale is NaN: the block's codes are then those shifts,
+    meaningless under its NaN scale); 0 for the other rows, whose zero codes stay."""
     bits = tl.load(s_ptr + rows * num_kb + kb, mask=row_ok, other=0.0).to(tl.int32, bitcast=True)
     exp = bits >> 23  # biased exponent; 2**-127 (bits 0x400000) -> 0
     # valid: a positive normal power of two, or 2**-127 (the subnormal an overflowed scale gives)
     pow2 = (((bits & -2139095041) == 0) & (exp > 0) & (exp < 255)) | (bits == 0x400000)
     all_pow2 = tl.min(tl.where(row_ok, pow2, True).to(tl.int32), axis=0) > 0
-    s_col = tl.max(bits, axis=0).to(tl.float32, bitcast=True)  # monotone bits: the largest scale_inv
-    s_col = tl.where(count > 0, tl.where(all_pow2, s_col, float("nan")), 1.0)
-    return s_col, tl.max(exp, axis=0) - exp
+    live_bits = tl.max(tl.where(live, bits, 0), axis=0)  # monotone bits: the largest live scale_inv
+    s_col = tl.where(live_bits > 0, live_bits.to(tl.float32, bitcast=True), 1.0)
+    s_col = tl.where(all_pow2, s_col, float("nan"))
+    return s_col, tl.where(live, (live_bits >> 23) - exp, 0)
 
 
 @triton.jit
@@ -130,9 +132,10 @@ def _transpose_column_block(q_ptr, s_ptr, qt_ptr, st_ptr, b, start, count, first
         kb = kb0 + i
         cols = kb * 128 + tl.arange(0, 128)
         col_ok = cols < K
-        s_col, d = _column_block_scales(s_ptr, rows, row_ok & (kb < num_kb), kb, num_kb, count)
-        tl.store(st_ptr + b.to(tl.int64) * K + cols, tl.zeros([128], tl.float32) + s_col, mask=col_ok)
         code = tl.load(q_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0)
+        live = tl.max((code & 0x7F).to(tl.int32), axis=1) > 0  # rows with a nonzero code in this block
+        s_col, d = _column_block_scales(s_ptr, rows, row_ok & (kb < num_kb), live, kb, num_kb)
+        tl.store(st_ptr + b.to(tl.int64) * K + cols, tl.zeros([128], tl.float32) + s_col, mask=col_ok)
         out = tl.trans(shift_fp8_down(code, d[:, None], E5M2, SOFTWARE_CAST))
         store_columnwise(qt_ptr, out, col_ok, cols, r, count, first, size, local, K)
 

@@ -3,7 +3,8 @@
 Rule. Rowwise 1x128 FP8 data ``q [M, K]`` with power-of-two row scales
 ``s_r = scale_inv[r, k // 128]`` becomes columnwise 128x1 data: for each column
 block (128 rows of one group, see ``layout.py``) and each 128-column block, the
-new scale is ``s_col = max_r s_r`` (a power of two), and every element is
+new scale is ``s_col = max_r s_r`` over the rows whose 128 codes there are not all
+zero (a power of two; 1 when every row is zero), and every element is
 re-encoded for ``s_col`` by shifting its exponent down by ``d = log2(s_col / s_r)``:
 
 * if the shifted exponent stays >= 1 (normal), only the exponent field changes:
@@ -12,6 +13,12 @@ re-encoded for ``s_col`` by shifting its exponent down by ``d = log2(s_col / s_r
   for E4M3, 2**-14 for E5M2) and is rounded to the nearest subnormal, ties to
   even; below half the smallest subnormal it becomes a zero of the same sign.
   Input subnormals are shifted the same way, never flushed.
+
+Zero rows are left out because their scale says nothing about them: a zero block's
+quantizer scale is 1 (TE's rule for amax 0), and the padding rows that permute
+writes after each expert's tokens are zero with scale 1. Counted, a zero row's 1
+would set ``s_col`` for the whole block and flush every row whose values lie below
+the format's smallest subnormal at that scale (gradients, typically) to zero.
 
 Equivalently ``dequantize(columnwise) == fp8(dequantize(rowwise) / s_col) * s_col``
 element for element, with the quantizer's cast (``reference.quantize.cast_to_fp8``:
@@ -60,25 +67,28 @@ def scaling_aware_transpose(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``data [M, K]`` FP8, ``scale_inv [M, ceil(K/128)]`` (powers of two) ->
     ``(data_t, scale_inv_t [num_column_blocks, K])``, ``data_t`` ``[K, M]`` or, grouped, expert-major ``[M*K]``
-    (``layout.py``); unused trailing blocks get scale 1. A column block with a row scale of NaN (a row block
-    its quantizer marked non-finite) gets scale NaN: the non-finite value stays non-finite (its codes are the
-    kernel's: shifts to the NaN's biased exponent 255)."""
+    (``layout.py``); unused trailing blocks and all-zero blocks get scale 1. A column block with a row scale
+    of NaN (a row block its quantizer marked non-finite) gets scale NaN: the non-finite value stays non-finite
+    (its codes are the kernel's: shifts to the NaN's biased exponent 255)."""
     check_pow2_scales(scale_inv)
     m, k = data.shape
     nb = num_column_blocks(m, m_splits)
     block = column_block_of_row(m, m_splits, data.device)
     idx = block[:, None].expand_as(scale_inv)
     # As the kernel, on the float32 bits: the largest bits are the largest scale (positive floats order as
-    # their bits), and shifts are differences of biased exponents (2**-127 -> 0, NaN -> 255).
-    bits = scale_inv.contiguous().view(torch.int32)
-    col_bits = torch.zeros(nb, scale_inv.shape[1], dtype=torch.int32, device=data.device)
+    # their bits), and shifts are differences of biased exponents (2**-127 -> 0, NaN -> 255). Row blocks of
+    # zero codes (+-0) take no part and keep their codes (d = 0).
+    kb = scale_inv.shape[1]
+    mag = torch.nn.functional.pad(data.view(torch.uint8) & 0x7F, (0, kb * BLOCK_SIZE - k))
+    live = mag.view(m, kb, BLOCK_SIZE).amax(-1) > 0
+    bits = torch.where(live, scale_inv.contiguous().view(torch.int32), 0)
+    col_bits = torch.zeros(nb, kb, dtype=torch.int32, device=data.device)
     col_bits.scatter_reduce_(0, idx, bits, "amax")
-    d = ((col_bits >> 23)[block] - (bits >> 23)).repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
+    d = torch.where(live, (col_bits >> 23)[block] - (bits >> 23), 0).repeat_interleave(BLOCK_SIZE, dim=1)[:, :k]
     out = shift_fp8_down(data.view(torch.uint8).int(), d, data.dtype)
     nan_col = torch.zeros(col_bits.shape, device=data.device).scatter_reduce_(
         0, idx, torch.isnan(scale_inv).float(), "amax") > 0
-    used = (torch.bincount(block, minlength=nb) > 0)[:, None]
-    s_col = torch.where(nan_col, float("nan"), torch.where(used, col_bits.view(torch.float32), 1.0))
+    s_col = torch.where(nan_col, float("nan"), torch.where(col_bits > 0, col_bits.view(torch.float32), 1.0))
     data_t = to_columnwise(out.to(torch.uint8).view(data.dtype), m_splits)
     return data_t, s_col.repeat_interleave(BLOCK_SIZE, dim=1)[:, :k].contiguous()
 
