@@ -14,6 +14,8 @@ Runs (``VARIANTS``):
 - ``fp8_flow_alltoall`` / ``fp8_flow_deepep``: FP8-Flow with ``--moe-token-dispatcher-type alltoall`` /
   ``flex`` (DeepEP when ``deep_ep`` imports, else all-to-all with a warning: the environment says which);
 - ``fp8_flow_alltoall_moe_expert`` / ``fp8_flow_deepep_moe_expert``: the same with ``moe_expert`` recompute;
+- ``fp8_flow_alltoall_single_weight``: ``fp8_flow_alltoall`` with one weight parameter per expert GEMM
+  (``--moe-fp8-flow-single-grouped-weight``) instead of one per expert;
 - ``megatron_bf16_seed_control``: ``megatron_bf16`` with the next seed (how far runs land from initialisation).
 All runs with one seed start from the same experts (FP8-Flow and the stand-in draw them as Megatron does).
 
@@ -72,6 +74,8 @@ VARIANTS = {  # name -> (entry: a module for -m or a script path, flags)
     "fp8_flow_alltoall_moe_expert": ("examples.pretrain_gpt",
                                      f"{FP8_FLOW} --moe-token-dispatcher-type alltoall {MOE_EXPERT}"),
     "fp8_flow_deepep_moe_expert": ("examples.pretrain_gpt", f"{FP8_FLOW} --moe-token-dispatcher-type flex {MOE_EXPERT}"),
+    "fp8_flow_alltoall_single_weight": ("examples.pretrain_gpt", f"{FP8_FLOW} --moe-token-dispatcher-type alltoall "
+                                                                 "--moe-fp8-flow-single-grouped-weight"),
     "megatron_bf16_seed_control": ("examples.pretrain_gpt", "--moe-token-dispatcher-type alltoall"),
 }
 WARMUP_ITERS = 10  # iterations left out of the timing

@@ -49,7 +49,8 @@ def expert_path(model: torch.nn.Module) -> str:
     blocks = [m for m in model.modules() if isinstance(m, FP8FlowMoE)]
     if blocks:
         fc1 = blocks[0].linear_fc1
-        return f"experts: FP8-Flow on {fc1.weight0.device}: {gemm_backends(fc1.weight0.device, fc1.backend)}"
+        device = fc1.weight_params[0].device
+        return f"experts: FP8-Flow on {device}: {gemm_backends(device, fc1.backend)}"
     names = sorted({type(m.experts).__name__ for m in model.modules() if isinstance(m, MoELayer)})
     device = next(model.parameters()).device
     return f"experts: Megatron's {', '.join(names) or 'none'} on {device} (plain torch matmuls)"

@@ -38,6 +38,13 @@ _FORMAT_HELP = (
 )
 
 
+_SINGLE_HELP = (
+    "Hold each FP8-Flow expert GroupedLinear's weights as one [local experts, N, K] parameter "
+    "(TransformerEngine's single_grouped_weight) instead of one per expert: less host work in every "
+    "backward (autograd and Megatron's DDP hooks run per parameter). Checkpoints keep the per-expert names."
+)
+
+
 def flag(field: str) -> str:
     """The Megatron-LM flag that sets config ``field``."""
     return _FLAGS.get(field, "--" + field.replace("_", "-"))
@@ -54,6 +61,7 @@ def add_fp8_flow_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         ("--moe-fp8-flow", dict(action="store_true", help=_HELP)),
         ("--moe-fp8-flow-format", dict(choices=("e4m3", "hybrid"), default=None,
                                        help=_FORMAT_HELP)),
+        ("--moe-fp8-flow-single-grouped-weight", dict(action="store_true", help=_SINGLE_HELP)),
     ):
         existing = parser._option_string_actions.get(option)
         if existing is None:
@@ -81,6 +89,7 @@ def _view(args: argparse.Namespace) -> FP8FlowView:
         hidden_size=getattr(args, "hidden_size", None),
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
         moe_flex_dispatcher_backend=getattr(args, "moe_flex_dispatcher_backend", None),
+        moe_fp8_flow_single_grouped_weight=bool(getattr(args, "moe_fp8_flow_single_grouped_weight", False)),
         unsupported=unsupported_settings(args),
     )
 

@@ -68,6 +68,7 @@ def _view(config) -> FP8FlowView:
         hidden_size=config.hidden_size,
         moe_ffn_hidden_size=config.moe_ffn_hidden_size,
         moe_flex_dispatcher_backend=config.moe_flex_dispatcher_backend,
+        moe_fp8_flow_single_grouped_weight=config.moe_fp8_flow_single_grouped_weight,
         unsupported=unsupported_settings(config),
     )
 

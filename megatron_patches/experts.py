@@ -99,14 +99,15 @@ def build_fp8_flow_block(config, num_local_experts: int, pg_collection) -> torch
 
 def _draw_as_megatron_experts(block, config) -> None:
     """Megatron's GPU draws for ``SequentialMLP``'s expert ``MLP``s (ColumnParallelLinear fc1
-    ``[2F, H]``, RowParallelLinear fc2 ``[H, F]``), in their order, into TE-named weights."""
+    ``[2F, H]``, RowParallelLinear fc2 ``[H, F]``), in their order, into each expert's weight (a slice of
+    the single grouped weight when there is one)."""
     from megatron.core.tensor_parallel.layers import _initialize_affine_weight_gpu
 
     with torch.no_grad():
         for i in range(block.num_local_experts):
-            _initialize_affine_weight_gpu(getattr(block.linear_fc1, f"weight{i}"), config.init_method,
+            _initialize_affine_weight_gpu(block.linear_fc1.weights[i], config.init_method,
                                           partition_dim=0, stride=2, is_expert=True)
-            _initialize_affine_weight_gpu(getattr(block.linear_fc2, f"weight{i}"),
+            _initialize_affine_weight_gpu(block.linear_fc2.weights[i],
                                           config.output_layer_init_method, partition_dim=1, is_expert=True)
 
 
@@ -134,6 +135,7 @@ def _fp8_flow_block(module, config, pg_collection, ep_size: int, device=None,
         params_dtype=config.params_dtype if config.params_dtype != torch.float16 else torch.bfloat16,
         device=device,
         fuse_wgrad_accumulation=config.gradient_accumulation_fusion,  # as TE's grouped experts
+        single_grouped_weight=config.moe_fp8_flow_single_grouped_weight,
     )
 
 
@@ -284,6 +286,8 @@ class FP8FlowMoELayer(MoELayer):
         halves by Megatron's SwiGLU factory, and replica id ``(pp, tp, expert data-parallel rank)``.
         Each expert linear also gets the (empty) ``_extra_state`` object Megatron's linears save, so
         stock models load these checkpoints; on load the block drops them (``_drop_extra_states``).
+        With ``single_grouped_weight`` the same per-expert keys hold slices of the one weight, and the
+        loaded ``weight{i}`` are stacked back into it (``GroupedLinear._load_from_state_dict``).
         """
         from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
         from megatron.core.transformer.utils import (
@@ -304,7 +308,7 @@ class FP8FlowMoELayer(MoELayer):
                 *sharded_offsets, (len(sharded_offsets), g, local * torch.distributed.get_world_size(ep)))
             key_prefix = f"{block_prefix}experts.{g}." if singleton else f"{block_prefix}experts."
             for fc, tp_axis in (("linear_fc1", 0), ("linear_fc2", 1)):
-                weight = getattr(getattr(self.experts, fc), f"weight{i}")
+                weight = getattr(self.experts, fc).weights[i]  # a view of `weight` when single grouped
                 tensors = make_sharded_tensors_for_checkpoint(
                     {"weight": weight, "_extra_state": None}, f"{key_prefix}{fc}.", {"weight": tp_axis},
                     offsets, tp_group=expt_tp, dp_cp_group=metadata["dp_cp_group"])

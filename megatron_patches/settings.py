@@ -57,6 +57,13 @@ class FP8FlowFields:
     Set it when TransformerEngine is absent: Megatron then refuses ``fp8`` with MoE layers, so the
     experts carry the format and the dense layers stay BF16."""
 
+    moe_fp8_flow_single_grouped_weight: bool = False
+    """Hold each expert GroupedLinear's weights as one ``[num_local_experts, N, K]`` parameter
+    (TransformerEngine's ``single_grouped_weight``) instead of one per expert: autograd and the
+    DDP hooks then run once per layer and GEMM, not once per expert, in every backward.
+    Checkpoints keep the per-expert names. (Megatron's own ``moe_single_grouped_weight`` is
+    TransformerEngine's and needs it.)"""
+
 
 @dataclass(frozen=True)
 class FP8FlowView:
@@ -77,6 +84,7 @@ class FP8FlowView:
     hidden_size: Optional[int] = None
     moe_ffn_hidden_size: Optional[int] = None
     moe_flex_dispatcher_backend: Optional[str] = None
+    moe_fp8_flow_single_grouped_weight: bool = False
     unsupported: Mapping[str, object] = field(default_factory=dict)
     """The settings of ``UNSUPPORTED_WITH_FP8_FLOW`` that are set: field -> value."""
 
@@ -107,6 +115,9 @@ def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
             f"{name('moe_router_topk')} must be in [1, {name('num_moe_experts')}={view.num_moe_experts}] "
             f"(got {view.moe_router_topk})"
         )
+    if view.moe_fp8_flow_single_grouped_weight and not view.moe_fp8_flow:
+        problems.append(f"{name('moe_fp8_flow_single_grouped_weight')} shapes the FP8-Flow experts' weights: it "
+                        f"requires {name('moe_fp8_flow')}")
     if not view.moe_fp8_flow:
         return problems
     for setting in ("hidden_size", "moe_ffn_hidden_size"):

@@ -26,6 +26,14 @@ def test_full_flag_set_parses():
     assert (args.fp8, args.moe_fp8_flow_format) in ((None, "e4m3"), ("e4m3", None))
 
 
+def test_single_grouped_weight_flag_parses_and_needs_fp8_flow():
+    assert parse_args(MODEL + FULL + ["--moe-fp8-flow-single-grouped-weight"]).moe_fp8_flow_single_grouped_weight
+    args = argparse.Namespace(moe_fp8_flow=False, moe_fp8_flow_single_grouped_weight=True, recompute_modules=None)
+    with pytest.raises(ValueError, match="--moe-fp8-flow-single-grouped-weight shapes the FP8-Flow experts' "
+                                         "weights: it requires --moe-fp8-flow"):
+        validate_fp8_flow_args(args)
+
+
 def test_extra_args_provider_adds_help_once():
     parser = add_fp8_flow_args(add_fp8_flow_args(argparse.ArgumentParser()))
     assert "blockwise" in parser._option_string_actions["--moe-fp8-flow"].help

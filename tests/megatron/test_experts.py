@@ -99,6 +99,21 @@ def test_production_builder_makes_the_fp8_flow_block(world_of_one):
     assert "decoder.layers.1.mlp.experts.linear_fc2.weight3" in model.state_dict()
 
 
+def test_single_grouped_weight_setting_reaches_the_block(world_of_one):
+    """``moe_fp8_flow_single_grouped_weight``: each GroupedLinear holds one [experts, N, K] weight, the model
+    trains, and the state dict names it ``linear_fc1.weight``."""
+    from megatron_patches.experts import build_fp8_flow_block
+
+    model = _model(_config(moe_fp8_flow_single_grouped_weight=True, recompute_modules=["moe_expert"]),
+                   build_fp8_flow_block)
+    block = model.decoder.layers[0].mlp.experts
+    assert block.linear_fc1.single_grouped_weight and block.linear_fc2.weight.shape == (4, 128, 128)
+    assert "decoder.layers.1.mlp.experts.linear_fc1.weight" in model.state_dict()
+    tokens = torch.randint(0, 256, (2, 32), device=DEVICE)
+    model(tokens, torch.arange(32, device=DEVICE).expand(2, -1), None, labels=tokens).mean().backward()
+    assert block.linear_fc1.weight.grad.shape == (4, 256, 128) and block.linear_fc1.weight.grad.abs().sum() > 0
+
+
 @pytest.mark.parametrize("fusion", [False, True])
 def test_block_follows_gradient_accumulation_fusion(world_of_one, fusion):
     """``gradient_accumulation_fusion`` reaches both GroupedLinears (TE's grouped experts take it as

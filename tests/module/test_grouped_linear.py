@@ -221,6 +221,54 @@ def test_parameter_names_follow_transformer_engine():
     assert gl.weight0.shape == (256, 128)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("fuse", [False, True], ids=["grad", "main_grad"])
+def test_single_grouped_weight_is_bitwise_the_per_expert_module(backend, fuse):
+    """single_grouped_weight: one [G, N, K] parameter (TE's option), the same arithmetic: output, input
+    gradient and weight gradients (in .grad, or added into one [G, N, K] main_grad) equal the per-expert
+    module's bit for bit, with an empty expert and the FP8 weight cache in use."""
+    splits = [100, 0, 156]
+    per, x = setup(splits, backend=backend, bias=True, fuse_wgrad_accumulation=fuse)
+    one = GroupedLinear(3, 256, 128, backend=backend, device=KERNEL_DEVICE, bias=True, fuse_wgrad_accumulation=fuse,
+                        single_grouped_weight=True)
+    one.load_state_dict(per.state_dict())  # per-expert keys stacked into `weight` on load
+    assert [n for n, _ in one.named_parameters()] == ["weight", "bias0", "bias1", "bias2"]
+    assert one.weight.shape == (3, 128, 256) and torch.equal(one.weight[2], per.weight2)
+    if fuse:
+        for w in per.weights:
+            w.main_grad = torch.ones(w.shape, device=w.device)
+        one.weight.main_grad = torch.ones(one.weight.shape, device=one.weight.device)
+    dy = torch.randn(256, 128, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    outs = []
+    for gl in (per, one):
+        xi = x.clone().requires_grad_()
+        y = gl(xi, splits, is_first_microbatch=True)
+        y.backward(dy)
+        attr = "main_grad" if fuse else "grad"
+        grads = list(getattr(gl.weight, attr).unbind(0)) if gl.single_grouped_weight else \
+            [getattr(w, attr) for w in gl.weights]
+        outs.append((y, xi.grad, grads, gl.bias1.grad))
+    (y0, dx0, dw0, db0), (y1, dx1, dw1, db1) = outs
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and torch.equal(db0, db1)
+    assert all(torch.equal(a, b) for a, b in zip(dw0, dw1))
+    if fuse:
+        assert one.weight.grad_added_to_main_grad and one.weight.grad.shape == one.weight.shape
+
+
+def test_single_grouped_weight_checkpoints_load_both_ways():
+    """TE's two checkpoint forms load into either module: `weight` [G, N, K] is split into weight0.. and the
+    reverse; a stacked weight of the wrong expert count is refused by name."""
+    per = GroupedLinear(2, 128, 256)
+    one = GroupedLinear(2, 128, 256, single_grouped_weight=True)
+    one.load_state_dict(per.state_dict())
+    assert list(one.state_dict()) == ["weight"] and torch.equal(one.weight, torch.stack(per.weights))
+    back = GroupedLinear(2, 128, 256)
+    back.load_state_dict(one.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(back.weights, per.weights))
+    with pytest.raises(ValueError, match=r"single grouped weight \[num_gemms=3, N, K\] was expected, got \[2, "):
+        GroupedLinear(3, 128, 256).load_state_dict(one.state_dict())
+
+
 @pytest.mark.parametrize(
     "make,call,exc,match",
     [
@@ -239,6 +287,10 @@ def test_parameter_names_follow_transformer_engine():
         (lambda: GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=1), None, TypeError, "must be a bool"),
         (lambda: GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=True), lambda gl: gl(torch.randn(4, 128), [2, 2]),
          ValueError, "weight0 has none"),
+        (lambda: GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=True, single_grouped_weight=True),
+         lambda gl: gl(torch.randn(4, 128), [2, 2]), ValueError, "main_grad.*; weight has none"),
+        (lambda: GroupedLinear(2, 128, 128, single_grouped_weight="yes"), None, TypeError,
+         "single_grouped_weight must be a bool"),
         (None, lambda gl: gl(torch.randn(4, 128, device="meta"), [2, 2]), ValueError, "inp is on meta, the weights"),
         (None, lambda gl: gl(quantize_blockwise(torch.randn(128, 128), block="128x128"), [64, 64]), ValueError,
          "rowwise 1x128 with power-of-two scales"),
@@ -246,7 +298,7 @@ def test_parameter_names_follow_transformer_engine():
          "rowwise 1x128 with power-of-two scales"),
     ],
     ids=["features", "num-gemms", "params-dtype", "in-features", "sum", "negative", "dtype", "groups", "recipe-str",
-         "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad", "device", "weight-role-input",
+         "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad", "single-fuse-without-main-grad", "single-not-bool", "device", "weight-role-input",
          "fp32-scales-input"],
 )
 def test_bad_input_is_rejected_clearly(make, call, exc, match):

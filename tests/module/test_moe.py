@@ -41,8 +41,14 @@ def step(model, x, ids, probs, seed=0):
     nbytes, y = saved_activation_bytes(lambda: model.forward_topk(xi, ids, pi))
     dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
     y.backward(dy)
-    grads = lambda lin: [w.grad.clone() if w.grad is not None else torch.zeros_like(w) for w in lin.weights]
-    return y.detach(), xi.grad, pi.grad, grads(model.linear_fc1), grads(model.linear_fc2), nbytes
+    return y.detach(), xi.grad, pi.grad, weight_grads(model.linear_fc1), weight_grads(model.linear_fc2), nbytes
+
+
+def weight_grads(lin):
+    """Per-expert weight gradients (zeros where none), whichever parameter layout ``lin`` has."""
+    if lin.single_grouped_weight:
+        return list((lin.weight.grad if lin.weight.grad is not None else torch.zeros_like(lin.weight)).unbind(0))
+    return [w.grad.clone() if w.grad is not None else torch.zeros_like(w) for w in lin.weights]
 
 
 def pair(**kw):
@@ -77,6 +83,21 @@ def test_moe_expert_recompute_is_bitwise_and_keeps_only_the_fp8_input():
     bf16 = step(ref, *batch(2))[5]
     assert c[5] <= 0.3 * bf16
     assert c[5] <= T * (H + 4 * H // 128) + 4 * T * K * (8 + 4) + 4096  # FP8 rows + scales + routing, small extras
+
+
+@pytest.mark.parametrize("recompute", [None, "moe_expert"])
+def test_single_grouped_weight_block_is_bitwise_the_per_expert_block(recompute):
+    """single_grouped_weight (one [E, N, K] parameter per GroupedLinear) loads the per-expert block's state
+    dict and computes the same output and gradients bit for bit."""
+    per, _ = pair(recompute=recompute)
+    one = FP8FlowMoE(E, H, FFN, K, align_size=128, recompute=recompute, single_grouped_weight=True)
+    one.load_state_dict(per.state_dict())
+    assert sorted(n for n, _ in one.named_parameters()) == ["linear_fc1.weight", "linear_fc2.weight"]
+    a, b = step(per, *batch(3)), step(one, *batch(3))
+    for u, v in zip(a[:3], b[:3]):
+        assert torch.equal(u, v)
+    for us, vs in zip(a[3:5], b[3:5]):
+        assert all(torch.equal(u, v) for u, v in zip(us, vs))
 
 
 def test_moe_expert_recompute_reuses_the_cached_fp8_weights(monkeypatch):

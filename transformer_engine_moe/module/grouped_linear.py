@@ -1,7 +1,8 @@
 """GroupedLinear: G expert linears over the row ranges of one input, in blockwise FP8.
 
 Shaped after TransformerEngine's ``GroupedLinear`` (``weight0..weight{G-1}``, each
-``[out_features, in_features]``; ``forward(inp, m_splits)``), but its input may be
+``[out_features, in_features]``, or with TE's ``single_grouped_weight`` one ``weight``
+``[G, out_features, in_features]``; ``forward(inp, m_splits)``), but its input may be
 the ``Float8BlockwiseQTensor`` flowing from permute or from SwiGLU+quant: it is
 used as is, never dequantized. Per step:
 
@@ -20,6 +21,12 @@ used as is, never dequantized. Per step:
   (Megatron) and ``.grad`` gets a placeholder, as in TE: Megatron's DDP hooks fire
   when the weight's gradient is accumulated, and skip weights whose
   ``grad_added_to_main_grad`` is set.
+
+One parameter per expert costs host time in every backward (autograd's gradient
+accumulation and each hook Megatron's DDP registers there, per parameter and micro-batch);
+``single_grouped_weight`` gives autograd one ``[G, N, K]`` parameter, whose gradient is
+wgrad's output as is. Its state dict holds ``weight``; a per-expert checkpoint
+(``weight0..``) loads into it and the reverse, as in TE.
 """
 
 from __future__ import annotations
@@ -124,7 +131,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
                                          columnwise_data=data, columnwise_scale_inv=scale,
                                          columnwise_m_splits=m_splits)
             if module.fuse_wgrad_accumulation:
-                main_grads = [w.main_grad for w in ctx.weights]
+                main_grads = [w.main_grad for w in ctx.weights]  # per expert ([N, K] each)
+                if module.single_grouped_weight:
+                    main_grads = list(main_grads[0].unbind(0))
                 stacked = _stacked_view(main_grads)
                 if stacked is not None:  # accumulated in place (DeepGEMM: C = D = main_grad)
                     grouped_gemm_wgrad(dy_t, x_t, m_splits, out=stacked, accumulate=True, backend=module.backend)
@@ -135,12 +144,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
                     w.grad_added_to_main_grad = True
                 dweights = [_placeholder_wgrad(w) for w in ctx.weights]
             else:  # written in the weights' dtype: no FP32 [G, N, K] buffer
-                dweights = list(grouped_gemm_wgrad(dy_t, x_t, m_splits, out_dtype=ctx.weights[0].dtype,
-                                                   backend=module.backend).unbind(0))
+                wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, out_dtype=ctx.weights[0].dtype, backend=module.backend)
+                dweights = [wgrad] if module.single_grouped_weight else list(wgrad.unbind(0))
         dbias = None
         if ctx.has_bias:
             rows = group_of_row(m_splits_tensor(m_splits, grad_out.device), grad_out.shape[0])
-            dbias = torch.zeros((len(ctx.weights), grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
+            dbias = torch.zeros((module.num_gemms, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
             dbias = dbias.index_add_(0, rows, grad_out.float()).to(module.bias_dtype)
         return (dgrad, None, None, None, dbias, *dweights)
 
@@ -159,12 +168,14 @@ class GroupedLinear(nn.Module):
             instead of ``.grad`` (which gets a shared zero placeholder, as in TE), as Megatron's
             gradient-accumulation fusion.
         backend: ``"auto"``, ``"triton"``, ``"cublas"`` or ``"reference"`` (``ops.grouped_gemm``).
+        single_grouped_weight: one parameter ``weight [G, out_features, in_features]`` instead of
+            ``weight0..`` (TE's name; biases stay per expert). Same arithmetic, bit for bit.
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = False,
                  params_dtype: torch.dtype = torch.bfloat16, device: Union[str, torch.device, None] = None,
                  recipe: Optional[FP8FlowRecipe] = None, fuse_wgrad_accumulation: bool = False,
-                 init_method=None, backend: str = "auto"):
+                 init_method=None, backend: str = "auto", single_grouped_weight: bool = False):
         super().__init__()
         for name, v in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -182,18 +193,29 @@ class GroupedLinear(nn.Module):
                              "transpose, which shifts exponents and needs power-of-two scales")
         if backend not in GEMM_BACKENDS:
             raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
-        if not isinstance(fuse_wgrad_accumulation, bool):
-            raise TypeError(f"fuse_wgrad_accumulation must be a bool, got {fuse_wgrad_accumulation!r}")
+        for name, v in (("fuse_wgrad_accumulation", fuse_wgrad_accumulation),
+                        ("single_grouped_weight", single_grouped_weight)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{name} must be a bool, got {v!r}")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.recipe = recipe or FP8FlowRecipe()
         self.quantizers = {role: Float8BlockQuantizer.from_recipe(self.recipe, role) for role in Role}
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.backend = backend
         self.bias_dtype = params_dtype
+        self.single_grouped_weight = single_grouped_weight
+        init = init_method or (lambda t: nn.init.kaiming_uniform_(t, a=5 ** 0.5))
+        if single_grouped_weight:
+            self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, dtype=params_dtype,
+                                                   device=device))
+            with torch.no_grad():  # expert by expert, as the per-expert weights are drawn
+                for w in self.weight.unbind(0):
+                    init(w)
         for i in range(num_gemms):
-            w = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
-            (init_method or (lambda t: nn.init.kaiming_uniform_(t, a=5 ** 0.5)))(w)
-            self.register_parameter(f"weight{i}", w)
+            if not single_grouped_weight:
+                w = nn.Parameter(torch.empty(out_features, in_features, dtype=params_dtype, device=device))
+                init(w)
+                self.register_parameter(f"weight{i}", w)
             if bias:
                 self.register_parameter(f"bias{i}", nn.Parameter(
                     torch.zeros(out_features, dtype=params_dtype, device=device)))
@@ -207,8 +229,16 @@ class GroupedLinear(nn.Module):
         return "reference" if self.backend == "reference" else "auto"
 
     @property
-    def weights(self) -> list[nn.Parameter]:
+    def weights(self) -> list[torch.Tensor]:
+        """The G ``[out_features, in_features]`` expert weights (views of ``weight`` when single)."""
+        if self.single_grouped_weight:
+            return list(self.weight.unbind(0))
         return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    @property
+    def weight_params(self) -> list[nn.Parameter]:
+        """The weight parameters autograd sees: ``[weight]`` when single, else ``weight0..``."""
+        return [self.weight] if self.single_grouped_weight else self.weights
 
     def fp8_weights(self, is_first_microbatch: Optional[bool] = None) -> Float8BlockwiseQTensor:
         """``W [G, N, K]`` 128x128 FP8 (``ops.quantize_grouped_weight``: one launch quantizes the G
@@ -236,9 +266,10 @@ class GroupedLinear(nn.Module):
         current weights whatever its flag. ``load_state_dict`` calls it."""
         self._cache = None
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self.reset_fp8_weight_cache()
-        super()._load_from_state_dict(*args, **kwargs)
+        _remap_weight_keys(state_dict, prefix, self.num_gemms, self.single_grouped_weight)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, inp: Union[torch.Tensor, Float8BlockwiseQTensor], m_splits: Union[Sequence[int], torch.Tensor],
                 is_first_microbatch: Optional[bool] = None):
@@ -252,8 +283,9 @@ class GroupedLinear(nn.Module):
         if not isinstance(inp, Float8BlockwiseQTensor) and inp.dtype not in (torch.bfloat16, torch.float16,
                                                                              torch.float32):
             raise TypeError(f"inp must be bf16/fp16/fp32 or a Float8BlockwiseQTensor, got {inp.dtype}")
-        if inp.device != self.weight0.device:
-            raise ValueError(f"inp is on {inp.device}, the weights on {self.weight0.device}: move one of them")
+        device = self.weight_params[0].device
+        if inp.device != device:
+            raise ValueError(f"inp is on {inp.device}, the weights on {device}: move one of them")
         if isinstance(inp, Float8BlockwiseQTensor) and (inp.is_2D_scaled or not inp.force_pow_2_scales
                                                         or inp.rowwise_data is None):
             raise ValueError("an FP8 inp must be rowwise 1x128 with power-of-two scales (the input role's "
@@ -263,16 +295,34 @@ class GroupedLinear(nn.Module):
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
-            missing = [i for i, w in enumerate(self.weights)
+            missing = [name for name, w in self._weight_names()
                        if w.requires_grad and getattr(w, "main_grad", None) is None]
             if missing:
                 raise ValueError(f"fuse_wgrad_accumulation=True adds weight gradients into each weight's main_grad (a "
-                                 f"float32 buffer shaped like it, as Megatron's DDP allocates); weight{missing[0]} "
+                                 f"float32 buffer shaped like it, as Megatron's DDP allocates); {missing[0]} "
                                  f"has none")
         w = self.fp8_weights(is_first_microbatch)
         bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
-        return _GroupedLinearFunction.apply(inp, m_splits, self, w, bias, *self.weights)
+        return _GroupedLinearFunction.apply(inp, m_splits, self, w, bias, *self.weight_params)
+
+    def _weight_names(self) -> list[tuple[str, nn.Parameter]]:
+        return [("weight", self.weight)] if self.single_grouped_weight else \
+            [(f"weight{i}", w) for i, w in enumerate(self.weights)]
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.use_bias}, recipe={self.recipe}")
+                f"bias={self.use_bias}, recipe={self.recipe}, single_grouped_weight={self.single_grouped_weight}")
+
+
+def _remap_weight_keys(state_dict, prefix: str, num_gemms: int, single: bool) -> None:
+    """Between TE's two checkpoint forms, in place: per-expert ``weight0..`` into one stacked ``weight``
+    for a single-weight module, and the reverse (``weight`` split into ``weight{i}``)."""
+    stacked_key, keys = f"{prefix}weight", [f"{prefix}weight{i}" for i in range(num_gemms)]
+    if single and stacked_key not in state_dict and all(k in state_dict for k in keys):
+        state_dict[stacked_key] = torch.stack([state_dict.pop(k) for k in keys])
+    elif not single and stacked_key in state_dict and not any(k in state_dict for k in keys):
+        stacked = state_dict.pop(stacked_key)
+        if stacked.dim() != 3 or stacked.shape[0] != num_gemms:
+            raise ValueError(f"{stacked_key}: a single grouped weight [num_gemms={num_gemms}, N, K] was expected, "
+                             f"got {list(stacked.shape)}")
+        state_dict.update(zip(keys, stacked.unbind(0)))

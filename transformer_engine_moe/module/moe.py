@@ -68,15 +68,19 @@ class FP8FlowMoE(nn.Module):
             rows) counted in the last expert; CUDA-graph capturable. Default False: host counts.
         fuse_wgrad_accumulation: both ``GroupedLinear``s add weight gradients into each weight's FP32
             ``main_grad`` (Megatron's ``gradient_accumulation_fusion``, as TE's grouped experts take it).
+        single_grouped_weight: each ``GroupedLinear`` holds one ``weight`` ``[E_local, N, K]`` parameter
+            (TE's option of that name): less host work per backward than one parameter per expert.
     Parameters: ``linear_fc1.weight{i}`` ``[2F, H]`` (gate rows first, then up) and ``linear_fc2.weight{i}``
-    ``[H, F]`` per local expert, as Megatron's TE grouped experts name them.
+    ``[H, F]`` per local expert, as Megatron's TE grouped experts name them (or ``linear_fc1.weight``
+    ``[E_local, 2F, H]`` and ``linear_fc2.weight`` with ``single_grouped_weight``).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, topk: int,
                  ep_group: Optional[dist.ProcessGroup] = None, dispatcher: Optional[str] = None,
                  recipe: Optional[FP8FlowRecipe] = None, recompute: Optional[str] = None, align_size: int = 128,
                  params_dtype=torch.bfloat16, device=None, gemm_backend: str = "auto", init_method=None,
-                 output_init_method=None, device_splits: bool = False, fuse_wgrad_accumulation: bool = False):
+                 output_init_method=None, device_splits: bool = False, fuse_wgrad_accumulation: bool = False,
+                 single_grouped_weight: bool = False):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be None or 'moe_expert', got {recompute!r}")
@@ -102,7 +106,7 @@ class FP8FlowMoE(nn.Module):
                                          **({"host_counts": not device_splits} if name == "local"
                                             else {"recipe": self.recipe}))
         common = dict(params_dtype=params_dtype, device=device, recipe=self.recipe, backend=gemm_backend,
-                      fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation, single_grouped_weight=single_grouped_weight)
         self.linear_fc1 = GroupedLinear(self.num_local_experts, hidden_size, 2 * ffn_hidden_size,
                                         init_method=init_method, **common)
         self.linear_fc2 = GroupedLinear(self.num_local_experts, ffn_hidden_size, hidden_size,
@@ -173,7 +177,7 @@ class FP8FlowMoE(nn.Module):
                              f"{list(hidden.shape)}")
         if topk_ids.dim() != 2 or topk_ids.shape[1] != self.topk:
             raise ValueError(f"topk_ids must be [T, topk={self.topk}], got {list(topk_ids.shape)}")
-        device = self.linear_fc1.weight0.device
+        device = self.linear_fc1.weight_params[0].device
         for name, t in (("hidden", hidden), ("topk_ids", topk_ids), ("topk_probs", topk_probs)):
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device}, the block's parameters on {device}: move one of them")
