@@ -124,6 +124,7 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
     return dict(tokens_per_s_per_gpu=tokens_per_iter / iter_ms * 1e3 / gpus, iter_ms=iter_ms,
                 max_allocated_mib=max((float(m) for m in MEM.findall(text)), default=float("nan")),
                 final_loss=sum(loss for *_, loss in tail) / len(tail), curve=[loss for *_, loss in logged],
+                curve_iters=[i for i, *_ in logged],
                 experts=experts[0] if experts else "")
 
 
@@ -182,9 +183,39 @@ def main():
              f"timing excludes the first {WARMUP_ITERS} iterations. "
              "Rows are kept across runs (one config per run): compare rows of one device and one micro_batches only. "
              "Commands: the `command` field of each row in the JSON; docs/megatron.md.")
-    print(utils.write_results(f"bench_megatron_pretrain_ep{gpus}",
-                              f"Megatron pretrain at EP={gpus}: BF16 experts vs FP8-Flow", env, {},
-                              list(rows.values()), columns, notes=notes).read_text())
+    path = utils.write_results(f"bench_megatron_pretrain_ep{gpus}",
+                               f"Megatron pretrain at EP={gpus}: BF16 experts vs FP8-Flow", env, {},
+                               list(rows.values()), columns, notes=notes)
+    plot(list(rows.values()), path.with_suffix(".png"), gpus)
+    print(path.read_text())
+
+
+def plot(rows: list[dict], path, gpus: int) -> None:
+    """One line of panels per config: the loss curves of its runs, and their tokens/s per GPU (label: variant,
+    device, micro-batches per iteration)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(len(configs), 2, figsize=(12, 3.6 * len(configs)), squeeze=False)
+    for (loss_ax, speed_ax), config in zip(axes, configs):
+        runs = [r for r in rows if r["config"] == config and r.get("curve")]
+        for r in runs:  # rows from before curve_iters was recorded: their log lines in order
+            loss_ax.plot(r.get("curve_iters") or range(1, len(r["curve"]) + 1), r["curve"], marker=".",
+                         label=r["variant"])
+        labels = [f"{r['variant']}\n{r.get('device', '?')}, {r.get('micro_batches', '?')} mb" for r in runs]
+        speed_ax.barh(labels, [r["tokens_per_s_per_gpu"] for r in runs])
+        loss_ax.set(title=f"{config}: lm loss",
+                    xlabel="iteration" if all(r.get("curve_iters") for r in runs) else "log line")
+        speed_ax.set(title=f"{config}: tokens/s per GPU (EP={gpus})")
+        speed_ax.tick_params(axis="y", labelsize=7)
+        loss_ax.legend(fontsize=7)
+        for ax in (loss_ax, speed_ax):
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
 
 
 def _importable(module: str) -> bool:

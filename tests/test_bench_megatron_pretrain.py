@@ -73,9 +73,29 @@ def test_parse_log():
     assert row["iter_ms"] == 150.0  # iterations 15 and 20: past the warm-up
     assert row["tokens_per_s_per_gpu"] == pytest.approx(4096 / 0.150)
     assert row["max_allocated_mib"] == 14100.5 and row["final_loss"] == 7.0 and row["curve"] == [10.5, 9.0, 8.0, 7.0]
+    assert row["curve_iters"] == [5, 10, 15, 20]
     assert row["experts"].startswith("experts: FP8-Flow on cuda:0")
     with pytest.raises(ValueError, match="no 'iteration"):
         bench.parse_log("Traceback ...", 1, 1)
+
+
+def test_plot_draws_every_config_and_run(tmp_path, monkeypatch):
+    """The results PNG: per config, the loss curves and tokens/s of its runs (a row without a curve is left
+    out, e.g. a run that timed out)."""
+    pytest.importorskip("matplotlib")
+    drawn = []
+    import matplotlib.axes
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, x, y, **kw: drawn.append((list(x), y, kw["label"])))
+    row = dict(bench.parse_log(LOG, 4 * 4096, 4), device="H100", micro_batches=8)
+    rows = [dict(row, config="deepseek_small", variant="fp8_flow_alltoall"),
+            dict(row, config="deepseek_small", variant="bf16_grouped_mm", curve=[11.0, 9.5, 8.5, 7.5]),
+            dict(row, config="deepseek_v3_slice", variant="megatron_bf16"),
+            dict(config="deepseek_v3_slice", variant="fp8_flow_deepep", status="timed out")]
+    bench.plot(rows, tmp_path / "p.png", gpus=4)
+    assert (tmp_path / "p.png").stat().st_size > 0
+    assert [label for *_, label in drawn] == ["fp8_flow_alltoall", "bf16_grouped_mm", "megatron_bf16"]
+    assert drawn[1][:2] == ([5, 10, 15, 20], [11.0, 9.5, 8.5, 7.5])
 
 
 def test_a_run_past_its_time_limit_is_killed_with_its_children(tmp_path):
