@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron_patches import apply
 from megatron_patches.arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
 from megatron_patches.cpu_shims import apply_cpu_shims
+from megatron_patches.settings import fp8_flow_fields
 
 from .expert_path import expert_path
 from .megatron_data import add_data_args, data_source, train_valid_test_datasets
@@ -172,8 +173,7 @@ def build_model(args, vocab_size: int):
         fp8=args.fp8, fp8_recipe=args.fp8_recipe,
         recompute_granularity=args.recompute_granularity,
         recompute_modules=args.recompute_modules,
-        moe_fp8_flow=args.moe_fp8_flow, moe_fp8_flow_format=args.moe_fp8_flow_format,
-        use_cpu_initialization=True, params_dtype=torch.float32,
+        **fp8_flow_fields(args), use_cpu_initialization=True, params_dtype=torch.float32,
     )
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False,
                                     normalization=args.normalization)

@@ -4,6 +4,7 @@ One rule set serves both the command line (``arguments.py``, messages name ``--f
 ``TransformerConfig`` (``config.py``, messages name fields), so they cannot drift apart.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -63,6 +64,12 @@ class FP8FlowFields:
     DDP hooks then run once per layer and GEMM, not once per expert, in every backward.
     Checkpoints keep the per-expert names. (Megatron's own ``moe_single_grouped_weight`` is
     TransformerEngine's and needs it.)"""
+
+
+def fp8_flow_fields(source) -> dict:
+    """``{field: value}`` of every ``FP8FlowFields`` field from ``source`` (parsed args), its default where
+    unset: the keywords a ``TransformerConfig`` built by hand takes, so none is left behind."""
+    return {f.name: getattr(source, f.name, f.default) for f in dataclasses.fields(FP8FlowFields)}
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,19 @@ def test_single_grouped_weight_setting_reaches_the_block(world_of_one):
     assert block.linear_fc1.weight.grad.shape == (4, 256, 128) and block.linear_fc1.weight.grad.abs().sum() > 0
 
 
+def test_compact_loop_passes_every_fp8_flow_flag_to_the_config(world_of_one):
+    """The compact CPU loop builds its TransformerConfig by hand: every FP8-Flow flag reaches it (the
+    single-grouped-weight flag was once parsed and dropped there)."""
+    from examples.compact_loop import build_model, parse_args
+
+    args = parse_args(("--num-layers 1 --hidden-size 128 --num-attention-heads 4 --seq-length 32 --num-experts 4 "
+                       "--moe-ffn-hidden-size 128 --micro-batch-size 2 --train-iters 2 --swiglu --disable-bias-linear "
+                       "--fp8-format e4m3 --fp8-recipe blockwise --moe-fp8-flow --moe-grouped-gemm "
+                       "--moe-token-dispatcher-type alltoall --moe-fp8-flow-single-grouped-weight").split())
+    block = build_model(args, 256).decoder.layers[0].mlp.experts
+    assert block.linear_fc1.single_grouped_weight and block.recipe.fp8_format.name == "E4M3"
+
+
 @pytest.mark.parametrize("fusion", [False, True])
 def test_block_follows_gradient_accumulation_fusion(world_of_one, fusion):
     """``gradient_accumulation_fusion`` reaches both GroupedLinears (TE's grouped experts take it as
