@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import interpreter_only, survives
+from conftest import interpreter_only, requires_cuda, survives
 from transformer_engine_moe import quantize_blockwise
 from transformer_engine_moe.layout import (
     check_m_splits,
@@ -12,6 +12,7 @@ from transformer_engine_moe.layout import (
     compact_to_gemm_ready,
     from_columnwise,
     gemm_ready_to_compact,
+    m_splits_tensor,
     num_column_blocks,
     to_columnwise,
 )
@@ -187,3 +188,42 @@ except ValueError as e:
     print("ValueError:", e)
 """)
     assert "ValueError: m_splits must be >= 0 and sum to M=4" in out
+
+
+def test_m_splits_tensor_converts_a_host_list_once_per_values_dtype_and_stream(monkeypatch):
+    """On a GPU a host list's device tensor is made once per (values, device, dtype, stream) and shared
+    (one layer converted the same list about ten times); never while a CUDA graph is captured. The
+    CUDA side is stood in for here; the GPU test below runs it for real."""
+    import transformer_engine_moe.layout as layout
+
+    made = []
+    monkeypatch.setattr(layout, "_to_device", lambda v, d, t: made.append((v, t)) or torch.tensor(v, dtype=t))
+    stream = [1]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": stream[0]}))
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    layout._device_splits.cache_clear()
+    a = m_splits_tensor([3, 0, 5], "cuda:0")
+    assert a is m_splits_tensor((3, 0, 5), "cuda:0") and a.tolist() == [3, 0, 5] and a.dtype == torch.int64
+    b = m_splits_tensor([3, 0, 5], "cuda:0", torch.int32)
+    assert b is not a and b.dtype == torch.int32
+    assert m_splits_tensor([3, 0, 6], "cuda:0").tolist() == [3, 0, 6]
+    stream[0] = 2  # another stream: its own copy, queued where it is read
+    assert m_splits_tensor([3, 0, 5], "cuda:0") is not a
+    capturing[0] = True
+    assert m_splits_tensor([3, 0, 5], "cuda:0") is not m_splits_tensor([3, 0, 5], "cuda:0")
+    assert len(made) == 6
+    layout._device_splits.cache_clear()
+    cpu = m_splits_tensor([1, 2], "cpu")
+    assert cpu.tolist() == [1, 2] and cpu is not m_splits_tensor([1, 2], "cpu")
+
+
+@requires_cuda
+def test_m_splits_tensor_on_the_gpu_is_shared_per_stream():
+    a = m_splits_tensor([128, 0, 256], "cuda")
+    assert a.is_cuda and a.tolist() == [128, 0, 256] and a is m_splits_tensor([128, 0, 256], "cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        b = m_splits_tensor([128, 0, 256], "cuda")
+    side.synchronize()
+    assert b is not a and b.tolist() == [128, 0, 256]

@@ -40,6 +40,8 @@ scales transposed; the last scale dimension padded to a multiple of 4
 
 from __future__ import annotations
 
+import functools
+
 from typing import Optional, Sequence, Union
 
 import torch
@@ -131,14 +133,39 @@ def num_column_blocks(m: int, m_splits: MSplits) -> int:
 
 
 def m_splits_tensor(m_splits, device, dtype=torch.int64) -> torch.Tensor:
-    """``m_splits`` (host list or tensor) as a ``dtype`` tensor on ``device``. A host list goes through
-    pinned memory with a non-blocking copy: a pageable host-to-device copy would sync with the host."""
+    """``m_splits`` (host list or tensor) as a ``dtype`` tensor on ``device``. Read it, never write it: on
+    a GPU a host list's tensor is shared (below).
+
+    A host list goes through pinned memory with a non-blocking copy (a pageable host-to-device copy
+    would sync with the host). One layer's forward and backward convert the same list about ten times
+    (permute, each GEMM's group table, the transposes); each conversion was a pinned allocation and a
+    copy, about 50 us of host time (Megatron ``deepseek_small`` profile, H100). So on a GPU a list's
+    tensor is made once per (values, device, dtype, stream) and reused (``_device_splits``): its copy
+    was queued on that stream, so readers there see it landed. Not while a CUDA graph is being
+    captured: a copy captured there reads a pinned buffer the graph does not own, and a graph's splits
+    are device tensors anyway (docs/moe.md, "CUDA graphs")."""
     if isinstance(m_splits, torch.Tensor):
         return m_splits.to(device=device, dtype=dtype)
-    host = torch.tensor(list(m_splits), dtype=dtype)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(list(m_splits), dtype=dtype, device=device)
+    if torch.cuda.is_current_stream_capturing():
+        return _to_device(tuple(m_splits), device, dtype)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _device_splits(tuple(m_splits), device, dtype, torch.cuda.current_stream(device).cuda_stream)
+
+
+def _to_device(values: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a ``dtype`` tensor on CUDA ``device``: pinned host copy, non-blocking transfer."""
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_splits(values: tuple[int, ...], device: torch.device, dtype: torch.dtype, stream: int) -> torch.Tensor:
+    """``_to_device`` once per (values, device, dtype, stream): the copy runs on ``stream``, where the
+    caller reads it. The cached tensor is never written (``m_splits_tensor``'s readers only read)."""
+    return _to_device(values, device, dtype)
 
 
 def group_of_row(sizes: torch.Tensor, m: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
