@@ -18,7 +18,7 @@ import platform
 import socket
 import statistics
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -115,20 +115,22 @@ def environment() -> dict:
     }
 
 
-def markdown_table(rows: Sequence[dict], columns: Sequence[str]) -> str:
-    """A GitHub markdown table of ``rows`` restricted to ``columns`` (floats to 3 significant digits)."""
+def markdown_table(rows: Sequence[dict], columns: Sequence[str], formats: Optional[dict] = None) -> str:
+    """A GitHub markdown table of ``rows`` restricted to ``columns``: floats to 3 significant digits, or
+    with ``formats[column]`` (a format spec, e.g. ``".4f"``)."""
 
-    def fmt(v):
-        return f"{v:.3g}" if isinstance(v, float) else str(v)
+    def fmt(v, c):
+        return f"{v:{(formats or {}).get(c, '.3g')}}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    lines += ["| " + " | ".join(fmt(r.get(c, ""), c) for c in columns) + " |" for r in rows]
     return "\n".join(lines)
 
 
 def write_results(name: str, title: str, env: dict, ceilings: dict, rows: Sequence, columns: Sequence[str],
-                  notes: str = "") -> pathlib.Path:
-    """Write ``<name>.json`` and ``<name>.md`` under benchmarks/results; return the markdown path."""
+                  notes: str = "", formats: Optional[dict] = None) -> pathlib.Path:
+    """Write ``<name>.json`` and ``<name>.md`` under benchmarks/results (``formats``: ``markdown_table``'s);
+    return the markdown path."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     rows = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r) for r in rows]
     (RESULTS_DIR / f"{name}.json").write_text(
@@ -137,7 +139,7 @@ def write_results(name: str, title: str, env: dict, ceilings: dict, rows: Sequen
     md = [f"# {title}", ""]
     md += [f"- {k}: {v}" for k, v in env.items()]
     md += [f"- {k}: {v:.3g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in ceilings.items()]
-    md += ["", markdown_table(rows, columns), ""]
+    md += ["", markdown_table(rows, columns, formats), ""]
     if notes:
         md += [notes.strip(), ""]
     path = RESULTS_DIR / f"{name}.md"
