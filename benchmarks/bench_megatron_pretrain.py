@@ -45,6 +45,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -78,6 +79,7 @@ VARIANTS = {  # name -> (entry: a module for -m or a script path, flags)
                                                                  "--moe-fp8-flow-single-grouped-weight"),
     "megatron_bf16_seed_control": ("examples.pretrain_gpt", "--moe-token-dispatcher-type alltoall"),
 }
+ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # recorded in a row when set
 WARMUP_ITERS = 10  # iterations left out of the timing
 MICRO_BATCHES = 8  # per GPU per iteration
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+) .*lm loss: ([\d.E+-]+)")
@@ -128,11 +130,12 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
                 experts=experts[0] if experts else "")
 
 
-def run(cmd: list[str], timeout: float) -> tuple[str, str]:
-    """``(status, output)`` of ``cmd`` from the repository root; past ``timeout`` seconds the whole process
-    group (torchrun and its workers) is killed: status ``timed out``. The group is also killed when this
+def run(cmd: list[str], timeout: float, extra_env: Optional[dict] = None) -> tuple[str, str]:
+    """``(status, output)`` of ``cmd`` from the repository root, ``extra_env`` added to its environment; past
+    ``timeout`` seconds the whole process group (torchrun and its workers) is killed: status ``timed out``. The group is also killed when this
     process is interrupted or terminated (``main`` turns SIGTERM into SystemExit), so no worker outlives it."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, **(extra_env or {}),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -168,26 +171,37 @@ def main():
         status, out = run(cmd, args.run_timeout)
         row = dict(config=args.config, variant=variant, status=status, device=env["device"],
                    wall_s=time.perf_counter() - began,
-                   iters=args.train_iters, micro_batches=MICRO_BATCHES, command=" ".join(cmd))
+                   iters=args.train_iters, micro_batches=MICRO_BATCHES,
+                   allocator=" ".join(f"{k}={os.environ[k]}" for k in ALLOCATOR_ENV if k in os.environ),
+                   command=" ".join(cmd))
+        if status != "ok":  # a failed run's row keeps what it logged before failing, and why it failed
+            row["log_tail"] = out[-3000:]
         try:
             row.update(parse_log(out, gpus * MICRO_BATCHES * seq, gpus))
         except ValueError:
-            row["log_tail"] = out[-2000:]
+            row.setdefault("log_tail", out[-3000:])
         print(variant, status, {k: row.get(k) for k in ("tokens_per_s_per_gpu", "max_allocated_mib", "final_loss")},
               flush=True)
         rows[args.config, variant] = row
-    columns = ["config", "variant", "device", "status", "micro_batches", "tokens_per_s_per_gpu", "iter_ms", "max_allocated_mib",
-               "final_loss", "wall_s", "experts"]
+    path = write(list(rows.values()), env, gpus, seq)
+    print(path.read_text())
+
+
+def write(rows: list[dict], env: dict, gpus: int, seq: int):
+    """``rows`` -> ``bench_megatron_pretrain_ep{gpus}`` .json / .md / .png under benchmarks/results; the .md path."""
+    columns = ["config", "variant", "device", "status", "micro_batches", "tokens_per_s_per_gpu", "iter_ms",
+               "max_allocated_mib", "final_loss", "wall_s", "allocator", "experts"]
     notes = (f"EP = {gpus} GPUs, TransformerEngine absent (--transformer-impl local: attention and dense layers BF16), "
              f"mock data, sequence {seq}, `micro_batches` micro-batches of one sequence per GPU per iteration; "
-             f"timing excludes the first {WARMUP_ITERS} iterations. "
+             f"timing excludes the first {WARMUP_ITERS} iterations. `allocator`: the CUDA caching allocator's "
+             "settings of the run, when any were set. "
              "Rows are kept across runs (one config per run): compare rows of one device and one micro_batches only. "
              "Commands: the `command` field of each row in the JSON; docs/megatron.md.")
     path = utils.write_results(f"bench_megatron_pretrain_ep{gpus}",
                                f"Megatron pretrain at EP={gpus}: BF16 experts vs FP8-Flow", env, {},
-                               list(rows.values()), columns, notes=notes)
-    plot(list(rows.values()), path.with_suffix(".png"), gpus)
-    print(path.read_text())
+                               rows, columns, notes=notes)
+    plot(rows, path.with_suffix(".png"), gpus)
+    return path
 
 
 def plot(rows: list[dict], path, gpus: int) -> None:
