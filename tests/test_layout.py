@@ -80,12 +80,19 @@ def test_column_blocks_of_groups(as_tensor):
         ("300", TypeError, "list of ints or an integer tensor"),
         (torch.tensor([[300]]), TypeError, "1-D int32/int64"),
         (torch.tensor([300.0]), TypeError, "1-D int32/int64"),
+        ([True] * 300, TypeError, "list of ints"),
+        ([100.0, 200], TypeError, "list of ints"),
+        ((150, 150, -0.0), TypeError, "list of ints"),
     ],
-    ids=["sum", "empty", "negative", "str", "2d", "float"],
+    ids=["sum", "empty", "negative", "str", "2d", "float", "bools", "float_size", "tuple_float"],
 )
 def test_bad_m_splits(splits, exc, match):
     with pytest.raises(exc, match=match):
         check_m_splits(splits, 300)
+
+
+def test_good_host_m_splits_come_back_as_a_list():
+    assert check_m_splits((0, 300, 0), 300) == [0, 300, 0] and check_m_splits([300], 300) == [300]
 
 
 def test_te_adapters_round_trip():

@@ -114,6 +114,9 @@ def check_m_splits(m_splits: MSplits, m: int, name: str = "m_splits", device=Non
             raise ValueError(f"{name} is on {m_splits.device}, the rows it splits on {device}")
         check_on_device((m_splits >= 0).all() & (m_splits.sum() == m), f"{name} must be >= 0 and sum to M={m}")
         return m_splits
+    if type(m_splits) in (list, tuple) and m_splits and set(map(type, m_splits)) == {int}:  # the usual case, fast:
+        if min(m_splits) >= 0 and sum(m_splits) == m:  # every op and tensor checks its splits (host time)
+            return list(m_splits)
     if not isinstance(m_splits, (list, tuple)) or not all(
         isinstance(s, int) and not isinstance(s, bool) for s in m_splits
     ):
@@ -129,7 +132,7 @@ def num_column_blocks(m: int, m_splits: MSplits) -> int:
         return -(-m // BLOCK_SIZE)
     if isinstance(m_splits, torch.Tensor):
         return m // BLOCK_SIZE + m_splits.numel()
-    return sum(-(-s // BLOCK_SIZE) for s in m_splits)
+    return -sum(map((-BLOCK_SIZE).__rfloordiv__, m_splits))  # sum of ceil(s / 128); map: no Python loop
 
 
 def m_splits_tensor(m_splits, device, dtype=torch.int64) -> torch.Tensor:

@@ -116,3 +116,19 @@ def test_grouped_linear_on_deepgemm_matches_triton(recipe):
     (y0, dx0, dw0), (y1, dx1, dw1) = outs
     assert relerr(y0, y1) < 1e-2 and relerr(dx0, dx1) < 1e-2
     assert all(relerr(a, b) < 1e-2 for a, b in zip(dw0, dw1) if b.abs().sum() > 0)
+
+
+def test_which_host_splits_deepgemm_and_cublas_take(monkeypatch):
+    """Every group a multiple of DeepGEMM's alignment (asked once per call) / of 128 for cuBLAS's wgrad;
+    a device tensor is DeepGEMM's to check on the device."""
+    from transformer_engine_moe.kernels import grouped_gemm_cublas as cublas
+
+    asked = []
+    monkeypatch.setattr(dg, "alignment", lambda: asked.append(1) or 128)
+    assert dg.supports_wgrad(E4M3, E4M3, [0, 384, 128, 512]) and len(asked) == 1
+    assert not dg.supports_wgrad(E4M3, E4M3, [0, 384, 100, 540]) and not dg.supports_wgrad(E4M3, E5M2, [128])
+    assert not dg.supports_wgrad(E4M3, E4M3, torch.tensor([128]))  # wgrad needs host splits
+    assert dg.supports(E4M3, E4M3, torch.tensor([100]), torch.bfloat16)
+    assert dg.supports(E4M3, E4M3, [256, 0], torch.bfloat16) and not dg.supports(E4M3, E4M3, [64, 192], torch.bfloat16)
+    assert cublas.supports_wgrad([0, 384, 128]) and cublas.supports_wgrad((256,))
+    assert not cublas.supports_wgrad([128, 129]) and not cublas.supports_wgrad(torch.tensor([128]))
