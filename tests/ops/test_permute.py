@@ -292,7 +292,9 @@ def test_unpermute_backward_kernel_matches_reference():
          "selects an expert twice"),
         (lambda x, rm, p: topk_to_routing_map(torch.tensor([[1.0]]), torch.ones(1, 1), 3), TypeError,
          "int32/int64"),
-        (lambda x, rm, p: routing_map_to_topk(p, rm.int(), 2), TypeError, "routing_map must be a 2-D bool"),
+        (lambda x, rm, p: routing_map_to_topk(p, rm.int(), 2), TypeError,
+         r"routing_map must be a 2-D bool tensor \[T, E\], got torch.int32 of shape \[4, 3\]"),
+        (lambda x, rm, p: routing_map_to_topk(p, rm[None], 2), TypeError, r"got torch.bool of shape \[1, 4, 3\]"),
         (lambda x, rm, p: routing_map_to_topk(p, rm, 4), ValueError, r"topk must be an int in \[1, E=3\]"),
         (lambda x, rm, p: routing_map_to_topk(p, rm, 1), ValueError, "selects more than topk=1"),
         (lambda x, rm, p: routing_map_to_topk(p[:, :2], rm, 2), ValueError, r"probs must have shape \[4, 3\]"),
@@ -300,7 +302,7 @@ def test_unpermute_backward_kernel_matches_reference():
     ids=["int-inp", "1d-inp", "map-rows", "map-float", "probs-shape", "too-few-rows", "negative-rows",
          "align", "align-0", "tpe-none", "map-type-index", "map-type-bogus", "max-token-num", "unpermute-index",
          "probs-twice", "tpe", "tpe-list", "tpe-list-len", "tpe-shape", "fp8-unpermute", "map-dtype", "merge-shape", "restore", "id-range", "id-twice",
-         "id-dtype", "rm-dtype", "topk-range", "too-many", "rm-probs-shape"],
+         "id-dtype", "rm-dtype", "rm-3d", "topk-range", "too-many", "rm-probs-shape"],
 )
 def test_bad_input_is_rejected_clearly(call, exc, match):
     x = torch.randn(4, 128)

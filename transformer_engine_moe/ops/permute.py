@@ -361,8 +361,9 @@ def routing_map_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: in
     (at most ``topk`` experts per token) -> ``(topk_idx [T, topk] int64, -1 for unused slots; topk_weights
     [T, topk] float32)``. Differentiable in ``probs``. No host sync."""
     if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or routing_map.dim() != 2:
-        raise TypeError(f"routing_map must be a 2-D bool tensor [T, E], got "
-                        f"{getattr(routing_map, 'dtype', type(routing_map))}")
+        got = (f"{routing_map.dtype} of shape {list(routing_map.shape)}" if isinstance(routing_map, torch.Tensor)
+               else type(routing_map).__name__)
+        raise TypeError(f"routing_map must be a 2-D bool tensor [T, E], got {got}")
     if not isinstance(topk, int) or not 0 < topk <= routing_map.shape[1]:
         raise ValueError(f"topk must be an int in [1, E={routing_map.shape[1]}], got {topk!r}")
     probs = _check_probs(probs, routing_map.shape, routing_map.device)
