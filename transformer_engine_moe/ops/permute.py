@@ -11,6 +11,7 @@ scale_inv 1; probs 0).
 from __future__ import annotations
 
 import warnings
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -172,6 +173,26 @@ class _Unpermute(torch.autograd.Function):
         return dinp, dprobs.to(merging_probs.dtype), None, None, None
 
 
+# The row_id_maps the padded permute returned -> (rows of its padded output, rows without the padding, None
+# when the counts were a device tensor). The map is the same with and without padding (pre-padding rows, as
+# in TE), so ``moe_unpermute`` asks here whether an ``inp`` without ``pad_offsets`` is that padded output.
+# Host-side and keyed by the map object (its id, checked through a weak reference: tensors compare
+# elementwise, so they cannot be weak dict keys); a copy of the map is not recognised; nothing under
+# torch.compile. An entry leaves when its map is freed.
+_PADDED_MAPS: dict[int, tuple[weakref.ref, int, Optional[int]]] = {}
+
+
+def _register_padded_map(row_id_map: torch.Tensor, padded_rows: int, rows: Optional[int]) -> None:
+    key = id(row_id_map)
+    _PADDED_MAPS[key] = (weakref.ref(row_id_map, lambda _: _PADDED_MAPS.pop(key, None)), padded_rows, rows)
+
+
+def _padded_map_rows(row_id_map: torch.Tensor) -> tuple[Optional[int], Optional[int]]:
+    """(padded rows, rows without padding) of a map the padded permute returned, else (None, None)."""
+    ref, padded_rows, rows = _PADDED_MAPS.get(id(row_id_map), (None, None, None))
+    return (padded_rows, rows) if ref is not None and ref() is row_id_map else (None, None)
+
+
 def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_expert, backend, op):
     x = _check_inp(inp)
     num_tokens = x.shape[0]
@@ -198,6 +219,8 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
         capacity = num_out_tokens + (num_experts * (a - 1) if align_size is not None else 0)
     if align_size is None:
         pad_offsets = padded = None
+    elif not torch.compiler.is_compiling():
+        _register_padded_map(row_id_map, capacity, sum(host_counts) if host_counts is not None else None)
     out, out_probs = _Permute.apply(inp, probs, row_id_map, pad_offsets, capacity, impl)
     return out, out_probs, row_id_map, pad_offsets, padded
 
@@ -322,6 +345,13 @@ def moe_unpermute(
             raise ValueError(
                 f"restore_shape {list(restore_shape)} does not hold [num_tokens={num_tokens}, hidden={inp.shape[1]}]"
             )
+    if pad_offsets is None and not torch.compiler.is_compiling():
+        padded_rows, rows = _padded_map_rows(row_id_map)
+        if inp.shape[0] == padded_rows and padded_rows != rows:
+            raise ValueError(
+                f"moe_unpermute: row_id_map comes from moe_permute_and_pad_with_probs and inp has that call's "
+                f"{padded_rows} padded rows, but pad_offsets was not given: pass the pad_offsets it returned "
+                "(without them each token's rows are read from pre-padding positions, i.e. other tokens' rows)")
     _check_map_rows(row_id_map, pad_offsets, inp.shape[0], "moe_unpermute")
     impl = implementation(backend, inp, "moe_unpermute")
     out = _Unpermute.apply(inp.contiguous(), merging_probs, row_id_map, pad_offsets, impl)
