@@ -439,8 +439,9 @@ except ValueError as e:
     assert "ValueError: moe_unpermute: row_id_map names rows outside inp's" in out
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("host_counts", [True, False], ids=["host-counts", "device-counts"])
-def test_unpermute_of_the_padded_output_without_pad_offsets_is_refused(host_counts):
+def test_unpermute_of_the_padded_output_without_pad_offsets_is_refused(host_counts, backend):
     """The map is the same with and without padding, so the padded output unpermuted without its
     pad_offsets read other tokens' rows silently; the padded permute now registers its map and output
     rows, and moe_unpermute refuses that call by name. The output with its padding stripped (rows equal
@@ -449,14 +450,18 @@ def test_unpermute_of_the_padded_output_without_pad_offsets_is_refused(host_coun
     rm = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
     x = torch.randn(4, 128)
     counts = rm.sum(0).tolist() if host_counts else rm.sum(0)
-    y, _, rmap, pad, padded = moe_permute_and_pad_with_probs(x, torch.rand(4, 3), rm, counts, 16)
+    if CUDA:
+        x, rm = x.cuda(), rm.cuda()
+        counts = counts if host_counts else counts.cuda()
+    y, _, rmap, pad, padded = moe_permute_and_pad_with_probs(x, torch.rand(4, 3, device=x.device), rm, counts, 16,
+                                                            backend=backend)
     y = y.dequantize() if isinstance(y, Float8BlockwiseQTensor) else y
-    want = moe_unpermute(y, rmap, pad_offsets=pad)
+    want = moe_unpermute(y, rmap, pad_offsets=pad, backend=backend)
     with pytest.raises(ValueError, match="pass the pad_offsets it returned"):
-        moe_unpermute(y, rmap)
+        moe_unpermute(y, rmap, backend=backend)
     starts = (torch.cumsum(padded, 0) - padded).tolist()
     unpadded = torch.cat([y[s:s + c] for s, c in zip(starts, rm.sum(0).tolist())])
-    assert torch.equal(moe_unpermute(unpadded, rmap), want)
+    assert torch.equal(moe_unpermute(unpadded, rmap, backend=backend), want)
     y16, _, rmap16, _, _ = moe_permute_and_pad_with_probs(torch.randn(16, 128), torch.rand(16, 1),
                                                           torch.ones(16, 1, dtype=torch.bool), [16], 16)
     assert moe_unpermute(y16 if not isinstance(y16, Float8BlockwiseQTensor) else y16.dequantize(),
