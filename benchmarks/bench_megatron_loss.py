@@ -94,12 +94,7 @@ def main():
             status, out, wall = future.result()
             row = dict(run=run, base_seed=args.seed, seed=args.seed + RUNS[run][0], status=status,
                        iters=args.train_iters, wall_s=wall, command=" ".join(cmds[run]))
-            if status != "ok":  # a failed run's row keeps what it logged before failing, and why it failed
-                row["log_tail"] = out[-3000:]
-            try:
-                row.update(pretrain.parse_log(out, TOKENS_PER_ITER, 1))
-            except ValueError:
-                row.setdefault("log_tail", out[-3000:])
+            row.update(pretrain.outcome(status, out, TOKENS_PER_ITER, 1))
             rows[run] = row
             print(run, status, row.get("final_loss"), flush=True)
     base = rows["bf16"].get("final_loss")

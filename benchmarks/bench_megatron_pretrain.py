@@ -130,6 +130,17 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
                 experts=experts[0] if experts else "")
 
 
+def outcome(status: str, out: str, tokens_per_iter: int, gpus: int) -> dict:
+    """What a run's row records of its ``out``put: ``parse_log``'s fields when it logged iterations, and the
+    log's tail when the run failed (what it logged before failing, and why) or logged none."""
+    row = {} if status == "ok" else {"log_tail": out[-3000:]}
+    try:
+        row.update(parse_log(out, tokens_per_iter, gpus))
+    except ValueError:
+        row["log_tail"] = out[-3000:]
+    return row
+
+
 def run(cmd: list[str], timeout: float, extra_env: Optional[dict] = None) -> tuple[str, str]:
     """``(status, output)`` of ``cmd`` from the repository root, ``extra_env`` added to its environment; past
     ``timeout`` seconds the whole process group (torchrun and its workers) is killed: status ``timed out``. The group is also killed when this
@@ -174,12 +185,7 @@ def main():
                    iters=args.train_iters, micro_batches=MICRO_BATCHES,
                    allocator=" ".join(f"{k}={os.environ[k]}" for k in ALLOCATOR_ENV if k in os.environ),
                    command=" ".join(cmd))
-        if status != "ok":  # a failed run's row keeps what it logged before failing, and why it failed
-            row["log_tail"] = out[-3000:]
-        try:
-            row.update(parse_log(out, gpus * MICRO_BATCHES * seq, gpus))
-        except ValueError:
-            row.setdefault("log_tail", out[-3000:])
+        row.update(outcome(status, out, gpus * MICRO_BATCHES * seq, gpus))
         print(variant, status, {k: row.get(k) for k in ("tokens_per_s_per_gpu", "max_allocated_mib", "final_loss")},
               flush=True)
         rows[args.config, variant] = row

@@ -79,6 +79,13 @@ def test_parse_log():
         bench.parse_log("Traceback ...", 1, 1)
 
 
+def test_outcome_keeps_a_failed_runs_log_tail_with_what_it_logged():
+    assert "log_tail" not in bench.outcome("ok", LOG, 4 * 4096, 4)
+    failed = bench.outcome("exit 1", LOG + "torch.OutOfMemoryError: CUDA out of memory", 4 * 4096, 4)
+    assert failed["final_loss"] == 7.0 and failed["log_tail"].endswith("CUDA out of memory")
+    assert bench.outcome("ok", "no iterations", 1, 1) == {"log_tail": "no iterations"}
+
+
 def test_plot_draws_every_config_and_run(tmp_path, monkeypatch):
     """The results PNG: per config, the loss curves and tokens/s of its runs (a row without a curve is left
     out, e.g. a run that timed out)."""
