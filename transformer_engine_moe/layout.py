@@ -114,14 +114,12 @@ def check_m_splits(m_splits: MSplits, m: int, name: str = "m_splits", device=Non
             raise ValueError(f"{name} is on {m_splits.device}, the rows it splits on {device}")
         check_on_device((m_splits >= 0).all() & (m_splits.sum() == m), f"{name} must be >= 0 and sum to M={m}")
         return m_splits
-    if type(m_splits) in (list, tuple) and m_splits and set(map(type, m_splits)) == {int}:  # the usual case, fast:
-        if min(m_splits) >= 0 and sum(m_splits) == m:  # every op and tensor checks its splits (host time)
-            return list(m_splits)
-    if not isinstance(m_splits, (list, tuple)) or not all(
+    # every op and tensor checks its splits: plain ints are recognised without a Python loop (host time)
+    if not isinstance(m_splits, (list, tuple)) or not (set(map(type, m_splits)) <= {int} or all(
         isinstance(s, int) and not isinstance(s, bool) for s in m_splits
-    ):
+    )):
         raise TypeError(f"{name} must be a list of ints or an integer tensor, got {type(m_splits).__name__}")
-    if len(m_splits) == 0 or any(s < 0 for s in m_splits) or sum(m_splits) != m:
+    if len(m_splits) == 0 or min(m_splits) < 0 or sum(m_splits) != m:
         raise ValueError(f"{name} must be non-empty, >= 0 and sum to M={m}, got {list(m_splits)}")
     return list(m_splits)
 
