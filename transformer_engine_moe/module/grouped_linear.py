@@ -238,7 +238,7 @@ class GroupedLinear(nn.Module):
     @property
     def weight_params(self) -> list[nn.Parameter]:
         """The weight parameters autograd sees: ``[weight]`` when single, else ``weight0..``."""
-        return [self.weight] if self.single_grouped_weight else self.weights
+        return [w for _, w in self._weight_names()]
 
     def fp8_weights(self, is_first_microbatch: Optional[bool] = None) -> Float8BlockwiseQTensor:
         """``W [G, N, K]`` 128x128 FP8 (``ops.quantize_grouped_weight``: one launch quantizes the G
@@ -306,6 +306,7 @@ class GroupedLinear(nn.Module):
         return _GroupedLinearFunction.apply(inp, m_splits, self, w, bias, *self.weight_params)
 
     def _weight_names(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of each weight parameter (``weight_params``)."""
         return [("weight", self.weight)] if self.single_grouped_weight else \
             [(f"weight{i}", w) for i, w in enumerate(self.weights)]
 
