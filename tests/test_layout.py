@@ -225,8 +225,37 @@ def test_m_splits_tensor_converts_a_host_list_once_per_values_dtype_and_stream(m
     assert cpu.tolist() == [1, 2] and cpu is not m_splits_tensor([1, 2], "cpu")
 
 
+def test_row_groups_of_a_host_list_made_once_per_values_and_stream(monkeypatch):
+    """Each grouped GEMM of a layer asks for the group of every row (DeepGEMM's m_indices): on a GPU a host
+    list's is made once per (values, device, stream, dtype) and shared, equal to group_of_row; not under
+    torch.compile or CUDA graph capture. CUDA stood in for, as above."""
+    import transformer_engine_moe.layout as layout
+
+    monkeypatch.setattr(layout, "_to_device", lambda v, d, t: torch.tensor(v, dtype=t))
+    stream = [1]
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": stream[0]}))
+    compiling = [False]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(layout, "group_of_row", lambda s, m, dtype=torch.int64: torch.repeat_interleave(
+        torch.arange(s.numel(), dtype=dtype), s, output_size=m))
+    layout._device_row_groups.cache_clear()
+    a = layout.row_groups([2, 0, 3], 5, "cuda:0", torch.int32)
+    assert a.tolist() == [0, 0, 2, 2, 2] and a.dtype == torch.int32
+    assert layout.row_groups((2, 0, 3), 5, "cuda:0", torch.int32) is a
+    assert layout.row_groups([2, 0, 3], 5, "cuda:0").dtype == torch.int64
+    stream[0] = 2
+    assert layout.row_groups([2, 0, 3], 5, "cuda:0", torch.int32) is not a
+    compiling[0] = True
+    assert layout.row_groups([2, 0, 3], 5, "cuda:0", torch.int32) is not layout.row_groups([2, 0, 3], 5, "cuda:0",
+                                                                                            torch.int32)
+    layout._device_row_groups.cache_clear()
+
+
 @requires_cuda
 def test_m_splits_tensor_on_the_gpu_is_shared_per_stream():
+    import transformer_engine_moe.layout as layout
+
     a = m_splits_tensor([128, 0, 256], "cuda")
     assert a.is_cuda and a.tolist() == [128, 0, 256] and a is m_splits_tensor([128, 0, 256], "cuda")
     side = torch.cuda.Stream()
@@ -234,3 +263,6 @@ def test_m_splits_tensor_on_the_gpu_is_shared_per_stream():
         b = m_splits_tensor([128, 0, 256], "cuda")
     side.synchronize()
     assert b is not a and b.tolist() == [128, 0, 256]
+    groups = layout.row_groups([128, 0, 256], 384, "cuda", torch.int32)
+    assert groups is layout.row_groups([128, 0, 256], 384, "cuda", torch.int32)
+    assert torch.equal(groups.cpu(), torch.tensor([0] * 128 + [2] * 256, dtype=torch.int32))

@@ -230,9 +230,11 @@ def _traced(args) -> bool:
     a tensor subclass's methods (``Float8BlockwiseQTensor.dequantize``) on fake tensors without
     ``is_compiling()`` being set, and the launcher must then be the op, not the kernel."""
     for a in args:
-        for t in (a if isinstance(a, (list, tuple)) else (a,)):
-            if isinstance(t, (FakeTensor, FunctionalTensor)):
+        if isinstance(a, (list, tuple)):  # a list of tensors, or of ints (host splits: nothing to look at)
+            if a and isinstance(a[0], torch.Tensor) and any(isinstance(t, (FakeTensor, FunctionalTensor)) for t in a):
                 return True
+        elif isinstance(a, (FakeTensor, FunctionalTensor)):
+            return True
     return False
 
 

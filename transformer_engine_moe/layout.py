@@ -114,10 +114,7 @@ def check_m_splits(m_splits: MSplits, m: int, name: str = "m_splits", device=Non
             raise ValueError(f"{name} is on {m_splits.device}, the rows it splits on {device}")
         check_on_device((m_splits >= 0).all() & (m_splits.sum() == m), f"{name} must be >= 0 and sum to M={m}")
         return m_splits
-    # every op and tensor checks its splits: plain ints are recognised without a Python loop (host time)
-    if not isinstance(m_splits, (list, tuple)) or not (set(map(type, m_splits)) <= {int} or all(
-        isinstance(s, int) and not isinstance(s, bool) for s in m_splits
-    )):
+    if not isinstance(m_splits, (list, tuple)) or not all(type(s) is int for s in m_splits):
         raise TypeError(f"{name} must be a list of ints or an integer tensor, got {type(m_splits).__name__}")
     if len(m_splits) == 0 or min(m_splits) < 0 or sum(m_splits) != m:
         raise ValueError(f"{name} must be non-empty, >= 0 and sum to M={m}, got {list(m_splits)}")
@@ -130,7 +127,7 @@ def num_column_blocks(m: int, m_splits: MSplits) -> int:
         return -(-m // BLOCK_SIZE)
     if isinstance(m_splits, torch.Tensor):
         return m // BLOCK_SIZE + m_splits.numel()
-    return -sum(map((-BLOCK_SIZE).__rfloordiv__, m_splits))  # sum of ceil(s / 128); map: no Python loop
+    return sum(-(-s // BLOCK_SIZE) for s in m_splits)
 
 
 def m_splits_tensor(m_splits, device, dtype=torch.int64) -> torch.Tensor:
@@ -142,19 +139,25 @@ def m_splits_tensor(m_splits, device, dtype=torch.int64) -> torch.Tensor:
     (permute, each GEMM's group table, the transposes); each conversion was a pinned allocation and a
     copy, about 50 us of host time (Megatron ``deepseek_small`` profile, H100). So on a GPU a list's
     tensor is made once per (values, device, dtype, stream) and reused (``_device_splits``): its copy
-    was queued on that stream, so readers there see it landed. Not while a CUDA graph is being
-    captured: a copy captured there reads a pinned buffer the graph does not own, and a graph's splits
-    are device tensors anyway (docs/moe.md, "CUDA graphs")."""
+    was queued on that stream, so readers there see it landed. Not under torch.compile (a traced
+    graph makes its own copy) nor while a CUDA graph is being captured: a copy captured there reads a
+    pinned buffer the graph does not own, and a graph's splits are device tensors anyway (docs/moe.md,
+    "CUDA graphs")."""
     if isinstance(m_splits, torch.Tensor):
         return m_splits.to(device=device, dtype=dtype)
     device = torch.device(device)
     if device.type != "cuda":
         return torch.tensor(list(m_splits), dtype=dtype, device=device)
-    if torch.cuda.is_current_stream_capturing():
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return _to_device(tuple(m_splits), device, dtype)
+    return _device_splits(tuple(m_splits), *_stream_key(device), dtype)
+
+
+def _stream_key(device: torch.device) -> tuple[torch.device, int]:
+    """(CUDA ``device`` with its index, its current stream's handle): where a cached tensor was made."""
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    return _device_splits(tuple(m_splits), device, dtype, torch.cuda.current_stream(device).cuda_stream)
+    return device, torch.cuda.current_stream(device).cuda_stream
 
 
 def _to_device(values: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -163,10 +166,16 @@ def _to_device(values: tuple[int, ...], device: torch.device, dtype: torch.dtype
 
 
 @functools.lru_cache(maxsize=64)
-def _device_splits(values: tuple[int, ...], device: torch.device, dtype: torch.dtype, stream: int) -> torch.Tensor:
-    """``_to_device`` once per (values, device, dtype, stream): the copy runs on ``stream``, where the
+def _device_splits(values: tuple[int, ...], device: torch.device, stream: int, dtype: torch.dtype) -> torch.Tensor:
+    """``_to_device`` once per (values, device, stream, dtype): the copy runs on ``stream``, where the
     caller reads it. The cached tensor is never written (``m_splits_tensor``'s readers only read)."""
     return _to_device(values, device, dtype)
+
+
+@functools.lru_cache(maxsize=64)
+def _device_row_groups(values: tuple[int, ...], device: torch.device, stream: int, dtype: torch.dtype) -> torch.Tensor:
+    """``group_of_row`` of host sizes once per (values, device, stream, dtype), as ``_device_splits``."""
+    return group_of_row(_device_splits(values, device, stream, torch.int64), sum(values), dtype)
 
 
 def group_of_row(sizes: torch.Tensor, m: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -174,6 +183,17 @@ def group_of_row(sizes: torch.Tensor, m: int, dtype: torch.dtype = torch.int64) 
     summing to M), without a host sync."""
     return torch.repeat_interleave(torch.arange(sizes.numel(), device=sizes.device, dtype=dtype), sizes,
                                    output_size=m)
+
+
+def row_groups(m_splits, m: int, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``[M]`` ``dtype``: the group of each of the M rows split by ``m_splits`` (host list or device tensor,
+    summing to M), without a host sync. Read it, never write it: for a host list on a GPU it is made once
+    per (values, device, stream, dtype) and shared, as ``m_splits_tensor`` (each GEMM of a layer asks)."""
+    device = torch.device(device)
+    if (isinstance(m_splits, torch.Tensor) or device.type != "cuda" or torch.compiler.is_compiling()
+            or torch.cuda.is_current_stream_capturing()):
+        return group_of_row(m_splits_tensor(m_splits, device), m, dtype)
+    return _device_row_groups(tuple(m_splits), *_stream_key(device), dtype)
 
 
 def column_block_of_row(m: int, m_splits: MSplits, device) -> torch.Tensor:

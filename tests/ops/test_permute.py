@@ -406,6 +406,53 @@ def test_unpermute_refuses_a_map_that_names_rows_outside_inp(backend, case):
 
 @pytest.mark.skipif(CUDA, reason="on the GPU the check is a device-side assert, which ends the process's CUDA "
                                    "context; the same check runs before the kernel on the CPU paths here")
+@pytest.mark.parametrize("what", ["map", "pad_offsets"])
+def test_unpermute_checks_a_map_written_after_its_permute(what):
+    """moe_unpermute skips the bounds check for a permute call's own, unchanged map and pad_offsets; the very
+    tensors it returned, written in place afterwards, are checked again (their versions moved) and refused."""
+    rm = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    y, _, rmap, pad, _ = moe_permute_and_pad_with_probs(torch.randn(4, 128), torch.rand(4, 3), rm, rm.sum(0), 16)
+    y = y.dequantize() if isinstance(y, Float8BlockwiseQTensor) else y
+    if what == "map":
+        rmap[0, 0] = 999
+    else:
+        pad[2] = 1000
+    with pytest.raises(ValueError, match="row_id_map names rows outside inp's"):
+        moe_unpermute(y, rmap, pad_offsets=pad)
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_unpermute_checks_only_maps_it_cannot_vouch_for(monkeypatch, padded):
+    """The bounds check (about 25 small launches on the GPU) runs for a map this package's permute did not
+    return as is (a copy), for other pad_offsets, and for an inp of other rows than that call's output; not
+    for the call's own map, pad_offsets and output. Every call's result is the same."""
+    from transformer_engine_moe.ops import permute as permute_ops
+
+    calls = []
+    check = permute_ops._check_map_rows
+    monkeypatch.setattr(permute_ops, "_check_map_rows", lambda *a: (calls.append(1), check(*a))[1])
+    rm = torch.tensor([[1, 0, 1], [0, 1, 0], [1, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    x = torch.randn(4, 128, device=KERNEL_DEVICE)
+    rm = rm.to(KERNEL_DEVICE)
+    if padded:
+        y, _, rmap, pad, _ = moe_permute_and_pad_with_probs(x, torch.rand(4, 3, device=x.device), rm,
+                                                            rm.sum(0).tolist(), 16)
+    else:
+        (y, rmap), pad = moe_permute(x, rm), None
+    want = moe_unpermute(y, rmap, pad_offsets=pad)
+    assert calls == []
+    assert torch.equal(moe_unpermute(y, rmap.clone(), pad_offsets=pad), want)
+    assert len(calls) == 1
+    if padded:
+        assert torch.equal(moe_unpermute(y, rmap, pad_offsets=pad.clone()), want)
+        assert len(calls) == 2
+    extra = torch.cat([y, torch.zeros_like(y[:1])])  # one more row than the permute's output: checked
+    assert torch.equal(moe_unpermute(extra, rmap, pad_offsets=pad), want)
+    assert len(calls) == (3 if padded else 2)
+
+
+@pytest.mark.skipif(CUDA, reason="on the GPU the check is a device-side assert, which ends the process's CUDA "
+                                   "context; the same check runs before the kernel on the CPU paths here")
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_unpermute_refuses_transformer_engines_descending_map(backend):
     """TE lists a token's experts in descending order; this package's map ascending. A TE-ordered map (same
@@ -468,6 +515,6 @@ def test_unpermute_of_the_padded_output_without_pad_offsets_is_refused(host_coun
                          rmap16).shape == (16, 128)
     from transformer_engine_moe.ops import permute as permute_ops
 
-    before = len(permute_ops._PADDED_MAPS)
+    before = len(permute_ops._PERMUTE_MAPS)
     del rmap16
-    assert len(permute_ops._PADDED_MAPS) == before - 1  # an entry leaves with its map
+    assert len(permute_ops._PERMUTE_MAPS) == before - 1  # an entry leaves with its map

@@ -33,7 +33,7 @@ def supports(reduction: int, m_splits) -> bool:
 
 def supports_wgrad(m_splits) -> bool:
     """Whether the cuBLAS wgrad can run: host splits, each a multiple of 128 (whole 1x128 blocks)."""
-    return isinstance(m_splits, (list, tuple)) and not any(map((128).__rmod__, m_splits))
+    return isinstance(m_splits, (list, tuple)) and all(s % 128 == 0 for s in m_splits)
 
 
 def _col_major(s: torch.Tensor) -> torch.Tensor:

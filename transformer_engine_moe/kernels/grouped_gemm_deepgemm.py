@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from ..layout import check_on_device, group_of_row, m_splits_tensor
+from ..layout import check_on_device, m_splits_tensor, row_groups
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,8 +69,11 @@ def alignment() -> int:
 
 def _aligned(m_splits) -> bool:
     """A device tensor (checked on the device by the caller), or every host size a multiple of ``alignment()``
-    (asked once: it calls into DeepGEMM; ``map``: no Python loop, as every GEMM call asks)."""
-    return isinstance(m_splits, torch.Tensor) or not any(map(alignment().__rmod__, m_splits))
+    (asked once: it calls into DeepGEMM)."""
+    if isinstance(m_splits, torch.Tensor):
+        return True
+    align = alignment()
+    return all(s % align == 0 for s in m_splits)
 
 
 def supports(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits, out_dtype: torch.dtype) -> bool:
@@ -87,11 +90,10 @@ def supports_wgrad(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits) -> bool
 
 def _m_indices(m_splits, m: int, device) -> torch.Tensor:
     """int32 ``[M]``: the group of each row (DeepGEMM's ``m_indices``), without a host sync."""
-    sizes = m_splits_tensor(m_splits, device)
     if isinstance(m_splits, torch.Tensor):
-        check_on_device((sizes % alignment() == 0).all(),
+        check_on_device((m_splits % alignment() == 0).all(),
                         f"deepgemm: every group's rows must be a multiple of {alignment()}")
-    return group_of_row(sizes, m, torch.int32)
+    return row_groups(m_splits, m, device, torch.int32)
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):

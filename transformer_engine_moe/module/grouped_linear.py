@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from ..backend import implementation
-from ..layout import MSplits, group_of_row, m_splits_tensor
+from ..layout import MSplits, m_splits_tensor, row_groups
 from ..ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm, grouped_gemm_wgrad
 from ..ops.quantize import quantize_grouped_weight, quantize_in_function
 from ..ops.transpose import transpose_grouped_weight
@@ -131,15 +131,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
                                          columnwise_data=data, columnwise_scale_inv=scale,
                                          columnwise_m_splits=m_splits)
             if module.fuse_wgrad_accumulation:
-                main_grads = [w.main_grad for w in ctx.weights]  # per expert ([N, K] each)
-                if module.single_grouped_weight:
-                    main_grads = list(main_grads[0].unbind(0))
-                stacked = _stacked_view(main_grads)
+                main_grads = [w.main_grad for w in ctx.weights]  # per expert [N, K], or one [G, N, K]
+                single = module.single_grouped_weight
+                stacked = _stacked_view(main_grads) if not single else main_grads[0] if (
+                    main_grads[0].dtype == torch.float32 and main_grads[0].is_contiguous()) else None
                 if stacked is not None:  # accumulated in place (DeepGEMM: C = D = main_grad)
                     grouped_gemm_wgrad(dy_t, x_t, m_splits, out=stacked, accumulate=True, backend=module.backend)
                 else:
                     wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, backend=module.backend)
-                    torch._foreach_add_(main_grads, list(wgrad.unbind(0)))
+                    torch._foreach_add_(main_grads, [wgrad] if single else list(wgrad.unbind(0)))
                 for w in ctx.weights:
                     w.grad_added_to_main_grad = True
                 dweights = [_placeholder_wgrad(w) for w in ctx.weights]
@@ -148,7 +148,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 dweights = [wgrad] if module.single_grouped_weight else list(wgrad.unbind(0))
         dbias = None
         if ctx.has_bias:
-            rows = group_of_row(m_splits_tensor(m_splits, grad_out.device), grad_out.shape[0])
+            rows = row_groups(m_splits, grad_out.shape[0], grad_out.device)
             dbias = torch.zeros((module.num_gemms, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
             dbias = dbias.index_add_(0, rows, grad_out.float()).to(module.bias_dtype)
         return (dgrad, None, None, None, dbias, *dweights)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -173,24 +173,52 @@ class _Unpermute(torch.autograd.Function):
         return dinp, dprobs.to(merging_probs.dtype), None, None, None
 
 
-# The row_id_maps the padded permute returned -> (rows of its padded output, rows without the padding, None
-# when the counts were a device tensor). The map is the same with and without padding (pre-padding rows, as
-# in TE), so ``moe_unpermute`` asks here whether an ``inp`` without ``pad_offsets`` is that padded output.
-# Host-side and keyed by the map object (its id, checked through a weak reference: tensors compare
-# elementwise, so they cannot be weak dict keys); a copy of the map is not recognised; nothing under
-# torch.compile. An entry leaves when its map is freed.
-_PADDED_MAPS: dict[int, tuple[weakref.ref, int, Optional[int]]] = {}
+class _MapRecord(NamedTuple):
+    """What a permute call returned with its ``row_id_map``: the map and its ``pad_offsets`` (weak references
+    and the versions autograd counts in-place writes by), the rows of its output (``capacity``) and, for a
+    padded permute with host counts, the rows without the padding (``rows``)."""
+    map_ref: weakref.ref
+    map_version: int
+    pad_ref: Optional[weakref.ref]
+    pad_version: Optional[int]
+    capacity: int
+    rows: Optional[int]
 
 
-def _register_padded_map(row_id_map: torch.Tensor, padded_rows: int, rows: Optional[int]) -> None:
+# The row_id_maps this module's permutes returned, by the map object's id (checked through the weak reference:
+# tensors compare elementwise, so they cannot be weak dict keys); an entry leaves when its map is freed. Host-
+# side; nothing under torch.compile; a copy of a map is not recognised. ``moe_unpermute`` asks here
+# (``_permute_record``) whether its arguments are one permute call's, unchanged: then the map was built in
+# range for that output and its bounds check (about 25 small launches per call) is skipped; and whether an
+# ``inp`` without ``pad_offsets`` is a padded output (the map is the same with and without padding:
+# pre-padding rows, as in TE).
+_PERMUTE_MAPS: dict[int, _MapRecord] = {}
+
+
+def _register_map(row_id_map: torch.Tensor, pad_offsets: Optional[torch.Tensor], capacity: int,
+                  rows: Optional[int]) -> None:
     key = id(row_id_map)
-    _PADDED_MAPS[key] = (weakref.ref(row_id_map, lambda _: _PADDED_MAPS.pop(key, None)), padded_rows, rows)
+    _PERMUTE_MAPS[key] = _MapRecord(
+        weakref.ref(row_id_map, lambda _: _PERMUTE_MAPS.pop(key, None)), row_id_map._version,
+        weakref.ref(pad_offsets) if pad_offsets is not None else None,
+        pad_offsets._version if pad_offsets is not None else None, capacity, rows)
 
 
-def _padded_map_rows(row_id_map: torch.Tensor) -> tuple[Optional[int], Optional[int]]:
-    """(padded rows, rows without padding) of a map the padded permute returned, else (None, None)."""
-    ref, padded_rows, rows = _PADDED_MAPS.get(id(row_id_map), (None, None, None))
-    return (padded_rows, rows) if ref is not None and ref() is row_id_map else (None, None)
+def _permute_record(row_id_map: torch.Tensor) -> Optional[_MapRecord]:
+    """The record of a map a permute call returned and nobody wrote since, else None."""
+    rec = _PERMUTE_MAPS.get(id(row_id_map))
+    if rec is None or rec.map_ref() is not row_id_map or rec.map_version != row_id_map._version:
+        return None
+    return rec
+
+
+def _same_call(rec: Optional[_MapRecord], pad_offsets: Optional[torch.Tensor], num_rows: int) -> bool:
+    """Whether ``pad_offsets`` and an output of ``num_rows`` rows are, unchanged, what ``rec``'s call returned."""
+    if rec is None or num_rows != rec.capacity:
+        return False
+    if pad_offsets is None or rec.pad_ref is None:
+        return pad_offsets is None and rec.pad_ref is None
+    return rec.pad_ref() is pad_offsets and rec.pad_version == pad_offsets._version
 
 
 def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_expert, backend, op):
@@ -219,8 +247,9 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
         capacity = num_out_tokens + (num_experts * (a - 1) if align_size is not None else 0)
     if align_size is None:
         pad_offsets = padded = None
-    elif not torch.compiler.is_compiling():
-        _register_padded_map(row_id_map, capacity, sum(host_counts) if host_counts is not None else None)
+    if not torch.compiler.is_compiling():
+        _register_map(row_id_map, pad_offsets, capacity,
+                      sum(host_counts) if host_counts is not None and align_size is not None else None)
     out, out_probs = _Permute.apply(inp, probs, row_id_map, pad_offsets, capacity, impl)
     return out, out_probs, row_id_map, pad_offsets, padded
 
@@ -345,14 +374,15 @@ def moe_unpermute(
             raise ValueError(
                 f"restore_shape {list(restore_shape)} does not hold [num_tokens={num_tokens}, hidden={inp.shape[1]}]"
             )
-    if pad_offsets is None and not torch.compiler.is_compiling():
-        padded_rows, rows = _padded_map_rows(row_id_map)
-        if inp.shape[0] == padded_rows and padded_rows != rows:
-            raise ValueError(
-                f"moe_unpermute: row_id_map comes from moe_permute_and_pad_with_probs and inp has that call's "
-                f"{padded_rows} padded rows, but pad_offsets was not given: pass the pad_offsets it returned "
-                "(without them each token's rows are read from pre-padding positions, i.e. other tokens' rows)")
-    _check_map_rows(row_id_map, pad_offsets, inp.shape[0], "moe_unpermute")
+    rec = _permute_record(row_id_map) if not torch.compiler.is_compiling() else None
+    if pad_offsets is None and rec is not None and rec.pad_ref is not None and inp.shape[0] == rec.capacity \
+            and rec.capacity != rec.rows:
+        raise ValueError(
+            f"moe_unpermute: row_id_map comes from moe_permute_and_pad_with_probs and inp has that call's "
+            f"{rec.capacity} padded rows, but pad_offsets was not given: pass the pad_offsets it returned "
+            "(without them each token's rows are read from pre-padding positions, i.e. other tokens' rows)")
+    if not _same_call(rec, pad_offsets, inp.shape[0]):  # a map from elsewhere, or used on other rows
+        _check_map_rows(row_id_map, pad_offsets, inp.shape[0], "moe_unpermute")
     impl = implementation(backend, inp, "moe_unpermute")
     out = _Unpermute.apply(inp.contiguous(), merging_probs, row_id_map, pad_offsets, impl)
     return out.view(restore_shape) if restore_shape is not None else out
