@@ -300,6 +300,20 @@ def test_alltoall_world_of_one_matches_local_forward(world_of_one, fp8):
     assert res.tokens_per_expert == ref.tokens_per_expert
 
 
+@pytest.mark.parametrize("scenario", ["random", "one_expert", "empty"])
+def test_alltoall_world_of_one_makes_no_collective_call(world_of_one, monkeypatch, scenario):
+    """A group of one rank receives what it sends: dispatch, combine and both backward passes run without a
+    collective (each was a launch and a copy at EP=1) and still match the oracle bit for bit, FP8 combine
+    gradients (HYBRID: E5M2) included."""
+    monkeypatch.setattr(dist, "all_to_all_single", lambda *a, **k: pytest.fail("a collective at EP=1"))
+    seed = _scenario_seed(1, 0, scenario)
+    batch, num_experts = make_batch(scenario, 1, seed, hidden=320)
+    dispatcher = get_dispatcher("alltoall", world_of_one, num_experts=num_experts,
+                                recipe=FP8FlowRecipe(fp8_format=Format.HYBRID))
+    failures = [f for fp8 in (True, False) for f in run_case(dispatcher, batch, 0, fp8, "cpu", seed)]
+    assert not failures, "\n".join(failures)
+
+
 def test_fp8_payload_is_at_most_53_percent_of_bf16():
     fp8, bf16 = (dispatch_payload_bytes(4096, 7168, 8, f) for f in (True, False))
     assert fp8 == 4096 * (7168 + 4 * 56 + 8 * 12) and bf16 == 4096 * (2 * 7168 + 8 * 12)

@@ -53,7 +53,11 @@ class AllToAllTokenDispatcher(ExchangeTokenDispatcher):
         super().__init__(num_experts, dist.get_world_size(self.ep_group), dist.get_rank(self.ep_group), recipe)
 
     def _all_to_all(self, send: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
-        """Rows of ``send`` to each rank (``input_splits``), rows from each (``output_splits``)."""
+        """Rows of ``send`` to each rank (``input_splits``), rows from each (``output_splits``). A group of
+        one rank receives what it sends: ``send`` itself, no collective (as Megatron's ``all_to_all`` at
+        world size 1; at EP=1 a layer made about ten one-rank NCCL calls, each a launch and a copy)."""
+        if self.ep_size == 1:
+            return send
         recv = send.new_empty((sum(output_splits),) + tuple(send.shape[1:]))
         dist.all_to_all_single(_wire(recv), _wire(send), output_splits, input_splits, group=self.ep_group)
         return recv
@@ -74,8 +78,7 @@ class AllToAllTokenDispatcher(ExchangeTokenDispatcher):
         # rows to send, rows to receive (per rank) and slots received per local expert
         counts = torch.cat([in_rank.sum(0, keepdim=True).t(),
                             slots_per_expert(topk_ids, self.num_experts).view(g, e_local)], 1)
-        recv_counts = torch.empty_like(counts)
-        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
+        recv_counts = self._all_to_all(counts, [1] * g, [1] * g)
         host = torch.cat([counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0)]).tolist()
         input_splits, output_splits, tokens_per_expert = host[:g], host[g:2 * g], host[2 * g:]
 
