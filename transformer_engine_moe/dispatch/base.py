@@ -186,4 +186,4 @@ def slots_per_expert(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
 
 def mask_foreign_slots(topk_ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """``probs`` with 0 where ``topk_ids`` is -1 (the slot's expert lives on another rank)."""
-    return torch.where(topk_ids >= 0, probs, torch.zeros((), dtype=probs.dtype, device=probs.device))
+    return torch.where(topk_ids >= 0, probs, 0.0)

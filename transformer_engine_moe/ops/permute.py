@@ -412,7 +412,7 @@ def topk_to_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_
     routing_map.scatter_add_(1, idx, selected.int())
     check_on_device((routing_map <= 1).all(), "topk_idx selects an expert twice for one token")
     probs = torch.zeros((topk_idx.shape[0], num_experts), dtype=topk_weights.dtype, device=topk_idx.device)
-    probs = probs.scatter_add(1, idx, torch.where(selected, topk_weights, torch.zeros_like(topk_weights)))
+    probs = probs.scatter_add(1, idx, torch.where(selected, topk_weights, 0.0))
     return routing_map > 0, probs
 
 
@@ -431,8 +431,8 @@ def routing_map_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: in
     # the selected experts first (ties kept in expert order by a stable sort of the mask)
     idx = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :topk]
     selected = routing_map.gather(1, idx)
-    weights = torch.where(selected, probs.gather(1, idx), torch.zeros((), dtype=probs.dtype, device=probs.device))
-    return torch.where(selected, idx, torch.full_like(idx, -1)), weights.float()
+    weights = torch.where(selected, probs.gather(1, idx), 0.0)
+    return torch.where(selected, idx, -1), weights.float()
 
 
 # ---------------------------------------------------------------- raw rows, for the token dispatchers
