@@ -272,6 +272,22 @@ def test_single_grouped_weight_is_bitwise_the_per_expert_module(backend, fuse):
         assert one.weight.grad_added_to_main_grad and one.weight.grad.shape == one.weight.shape
 
 
+def test_single_grouped_weight_main_grad_not_contiguous_is_added_to():
+    """A single weight's main_grad is accumulated into in place when it is a contiguous float32 [G, N, K]; any
+    other buffer (here a strided view) gets the same sum added."""
+    splits = [100, 0, 156]
+    grads = []
+    for strided in (False, True):
+        torch.manual_seed(0)
+        gl = GroupedLinear(3, 256, 128, device=KERNEL_DEVICE, fuse_wgrad_accumulation=True, single_grouped_weight=True)
+        base = torch.ones((3, 256, 128) if strided else (3, 128, 256), device=KERNEL_DEVICE)
+        gl.weight.main_grad = base.transpose(1, 2) if strided else base
+        x = torch.randn(256, 256, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+        gl(x, splits).backward(torch.randn(256, 128, device=KERNEL_DEVICE, dtype=torch.bfloat16))
+        grads.append(gl.weight.main_grad.clone())
+    assert not torch.equal(grads[0], torch.ones_like(grads[0])) and torch.equal(grads[0], grads[1])
+
+
 def test_single_grouped_weight_checkpoints_load_both_ways():
     """TE's two checkpoint forms load into either module: `weight` [G, N, K] is split into weight0.. and the
     reverse; a stacked weight of the wrong expert count is refused by name."""
