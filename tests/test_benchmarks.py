@@ -44,3 +44,19 @@ def test_bench_grouped_gemm_names_the_backend_auto_picks(monkeypatch):
     o = bench.operands(2, 256, 128, 128, device="cpu")
     assert [bench.auto_backend(o, op, 128, 128) for op in ("fprop", "dgrad", "wgrad", "wgrad_main_grad")] == \
         ["reference"] * 4
+
+
+def test_bench_host_time_steps_every_block_on_the_cpu(monkeypatch):
+    """bench_host_time's blocks, inputs and timing loop at toy size on the CPU (the profiler part needs a GPU):
+    every block steps forward and backward, its weights get gradients, the times are positive and ordered."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_host_time as bench
+
+    inputs = bench.make_inputs(16, 128, 4, 2, "cpu")
+    blocks = bench.make_blocks(4, 128, 128, 2, "cpu")
+    assert list(blocks) == ["bf16_grouped_mm", "fp8_flow_single_weight", "fp8_flow"]
+    for name, block in blocks.items():
+        step = bench.step_fn(block, *inputs)
+        host, wall = bench.host_and_wall_ms(step, 2, lambda: None)
+        assert 0 < host <= wall, name
+        assert all(p.grad is not None for p in block.parameters()), name
