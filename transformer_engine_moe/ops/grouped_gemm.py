@@ -21,7 +21,9 @@ each, same signatures):
 
 Host splits: the cuBLAS backend and DeepGEMM's wgrad read the per-expert row counts on
 the host. They use the list the dispatcher already holds (``tokens_per_expert``), never a
-copy of a device tensor: a device tensor sends those calls to Triton.
+copy of a device tensor: a device tensor sends those calls to Triton. What the kernels read of a
+host list on the device (group sizes, DeepGEMM's per-row groups) is made once per (splits, stream)
+and shared by the layer's GEMMs and transposes (``layout.m_splits_tensor``, ``layout.row_groups``).
 
 Alignment: K and N multiples of 128 (the weights' 128x128 blocks).
 """
