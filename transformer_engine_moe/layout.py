@@ -148,9 +148,15 @@ def m_splits_tensor(m_splits, device, dtype=torch.int64) -> torch.Tensor:
     device = torch.device(device)
     if device.type != "cuda":
         return torch.tensor(list(m_splits), dtype=dtype, device=device)
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    if not _may_share(device):
         return _to_device(tuple(m_splits), device, dtype)
     return _device_splits(tuple(m_splits), *_stream_key(device), dtype)
+
+
+def _may_share(device: torch.device) -> bool:
+    """Whether a host list's tensors on ``device`` may come from the caches below: a GPU, not under
+    torch.compile and not during a CUDA graph capture (``m_splits_tensor`` says why)."""
+    return device.type == "cuda" and not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing())
 
 
 def _stream_key(device: torch.device) -> tuple[torch.device, int]:
@@ -190,8 +196,7 @@ def row_groups(m_splits, m: int, device, dtype: torch.dtype = torch.int64) -> to
     summing to M), without a host sync. Read it, never write it: for a host list on a GPU it is made once
     per (values, device, stream, dtype) and shared, as ``m_splits_tensor`` (each GEMM of a layer asks)."""
     device = torch.device(device)
-    if (isinstance(m_splits, torch.Tensor) or device.type != "cuda" or torch.compiler.is_compiling()
-            or torch.cuda.is_current_stream_capturing()):
+    if isinstance(m_splits, torch.Tensor) or not _may_share(device):
         return group_of_row(m_splits_tensor(m_splits, device), m, dtype)
     return _device_row_groups(tuple(m_splits), *_stream_key(device), dtype)
 

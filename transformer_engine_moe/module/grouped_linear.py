@@ -52,9 +52,12 @@ def _bias_rows(bias: torch.Tensor, m_splits: MSplits, m: int) -> torch.Tensor:
 
 
 def _stacked_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A ``[G, N, K]`` view of G contiguous float32 ``[N, K]`` tensors that lie one after another in one
-    storage (Megatron's ``main_grad`` buffers often do), or None."""
+    """A ``[G, N, K]`` float32 view of the weights' ``main_grad``s to accumulate into in place, or None:
+    a single grouped weight's contiguous ``[G, N, K]`` as is, or G contiguous ``[N, K]`` that lie one
+    after another in one storage (Megatron's ``main_grad`` buffers often do)."""
     t0 = tensors[0]
+    if t0.dim() == 3:  # one [G, N, K] parameter's
+        return t0 if t0.dtype == torch.float32 and t0.is_contiguous() else None
     step = t0.numel()
     for i, t in enumerate(tensors):
         if (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != t0.shape
@@ -132,14 +135,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
                                          columnwise_m_splits=m_splits)
             if module.fuse_wgrad_accumulation:
                 main_grads = [w.main_grad for w in ctx.weights]  # per expert [N, K], or one [G, N, K]
-                single = module.single_grouped_weight
-                stacked = _stacked_view(main_grads) if not single else main_grads[0] if (
-                    main_grads[0].dtype == torch.float32 and main_grads[0].is_contiguous()) else None
+                stacked = _stacked_view(main_grads)
                 if stacked is not None:  # accumulated in place (DeepGEMM: C = D = main_grad)
                     grouped_gemm_wgrad(dy_t, x_t, m_splits, out=stacked, accumulate=True, backend=module.backend)
                 else:
                     wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, backend=module.backend)
-                    torch._foreach_add_(main_grads, [wgrad] if single else list(wgrad.unbind(0)))
+                    torch._foreach_add_(main_grads, [wgrad] if module.single_grouped_weight else list(wgrad.unbind(0)))
                 for w in ctx.weights:
                     w.grad_added_to_main_grad = True
                 dweights = [_placeholder_wgrad(w) for w in ctx.weights]
