@@ -25,9 +25,10 @@ def _two_step(weights, fp8, backend):
 
 
 @pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_matches_stack_quantize_transpose(fp8, dtype, backend):
+    """16-bit weights: W^T from the quantizing launch; float32: W, then the byte transpose."""
     weights = _weights(3, 256, 384, dtype)
     w, wt = quantize_grouped_weight(weights, fp8, backend=backend)
     ref_w, ref_wt = _two_step(weights, fp8, "reference")

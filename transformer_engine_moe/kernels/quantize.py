@@ -30,7 +30,12 @@ from .groups import column_block_rows, group_sizes_arg, store_columnwise
 FLAT_CONFIG = (16, 1, 4)
 ROWWISE_CONFIG = (16, 2, 4)  # ragged K or strided rows
 COLWISE_CONFIG = (64, 4)  # (BLOCK_K, num_warps) of the 128x1 kernel: 69% of copy (expert-major, x128 groups)
-GROUPED_WEIGHT_WARPS = 8  # quantize_grouped_weight, aligned weights: 97-99% of copy on an H200 (4 warps: 78)
+GROUPED_WEIGHT_WARPS = 8  # quantize_grouped_weight, W only, aligned weights: 97-99% of copy on an H200 (4 warps: 78)
+# quantize_grouped_weight writing W and W^T from one launch (16-bit weights): 92-93% of copy on an H100 with 4
+# warps (8: 79-81%, 16: 84-85%): 14-16% less time than W then the byte transpose, DeepSeek-V3 expert shapes at 64
+# and 128 experts (2026-11-23; benchmarks/bench_quantize_grouped_weight.py). With float32 weights the same kernel wrote wrong bytes under
+# Triton 3.6 (also transposing the codes or the scaled tile), so float32 weights take the two launches.
+FUSED_WEIGHT_WARPS = 4
 
 
 @triton.jit
@@ -247,26 +252,33 @@ def quantize_128x128(
 
 @triton.jit
 def _quantize_grouped_weight_kernel(
-    ptrs, x0_ptr, q_ptr, s_ptr, N, K,
+    ptrs, x0_ptr, q_ptr, qt_ptr, s_ptr, N, K,
     eps, value_for_inf,
     FP8_MAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
-    ALIGNED: tl.constexpr,
+    ALIGNED: tl.constexpr, TRANSPOSE: tl.constexpr,
 ):
     """One 128x128 tile of weight g (read through the pointer table ``ptrs``; ``x0_ptr`` gives the
-    element type) -> its codes in q [G, N, K] and one scale_inv. ``ALIGNED``: every table entry is a
-    multiple of 16 bytes, which the compiler cannot know of a loaded pointer; without the hint the loads
-    are not vectorised (63% of copy on an H200 against 97-99%)."""
+    element type) -> its codes in q [G, N, K], one scale_inv, and (``TRANSPOSE``) the codes of the
+    transposed tile in qt [G, K, N]: the loaded tile is transposed before the same per-element
+    arithmetic, so W^T holds W's bytes. ``ALIGNED``: every table entry is a multiple of 16 bytes, which
+    the compiler cannot know of a loaded pointer; without the hint the loads are not vectorised (63% of
+    copy on an H200 against 97-99%)."""
     pid_k, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x_ptr = tl.load(ptrs + g).to(tl.pointer_type(x0_ptr.dtype.element_ty))
     if ALIGNED:
         x_ptr = tl.multiple_of(x_ptr, 16)
     rows = (pid_n * 128 + tl.arange(0, 128)).to(tl.int64)
     cols = (pid_k * 128 + tl.arange(0, 128)).to(tl.int64)
-    x = to_float(tl.load(x_ptr + rows[:, None] * K + cols[None, :]), SOFTWARE_CAST)
+    raw = tl.load(x_ptr + rows[:, None] * K + cols[None, :])
+    x = to_float(raw, SOFTWARE_CAST)
     scale, scale_inv = compute_scale(tl.max(tl.max(abs_no_nan(x), axis=1), axis=0), eps, value_for_inf,
                                      FP8_MAX, POW2)
-    q = float_to_fp8_bits(x * scale, FP8_MAX, E5M2, SOFTWARE_CAST)
-    tl.store(q_ptr + g.to(tl.int64) * N * K + rows[:, None] * K + cols[None, :], q)
+    base = g.to(tl.int64) * N * K
+    tl.store(q_ptr + base + rows[:, None] * K + cols[None, :], float_to_fp8_bits(x * scale, FP8_MAX, E5M2,
+                                                                                 SOFTWARE_CAST))
+    if TRANSPOSE:
+        qt = float_to_fp8_bits(to_float(tl.trans(raw), SOFTWARE_CAST) * scale, FP8_MAX, E5M2, SOFTWARE_CAST)
+        tl.store(qt_ptr + base + cols[:, None] * N + rows[None, :], qt)
     tl.store(s_ptr + (g * (N // 128) + pid_n) * (K // 128) + pid_k, scale_inv)
 
 
@@ -293,26 +305,30 @@ def quantize_grouped_weight(
     transpose: bool = True,
     software_cast: bool | None = None,
     num_warps: int | None = None,
+    fused: bool | None = None,
 ):
     """As ``reference.quantize.quantize_grouped_weight``: one launch quantizes all G weights in place
-    (a table of the G contiguous ``[N, K]`` weights' addresses: no stacking copy) into W ``[G, N, K]``,
-    then (``transpose``) the byte transpose ``transpose_128x128`` writes W^T. Writing W^T from the
-    quantizing kernel's registers (``tl.trans`` of the uint8 tile) measured slower on an H200 (64 experts,
-    4096x7168 bf16: 3.44 ms against 3.09 ms for the two launches) and, with float32 weights, gave wrong
-    W^T bytes under Triton 3.6."""
+    (a table of the G contiguous ``[N, K]`` weights' addresses: no stacking copy) into W ``[G, N, K]``
+    and, with ``transpose``, W^T ``[G, K, N]``. ``fused`` (default: for 16-bit weights) writes W^T from
+    the same launch (``FUSED_WEIGHT_WARPS``); otherwise the byte transpose ``transpose_128x128`` of W
+    writes it after."""
     from .transpose import transpose_128x128
 
     x0 = weights[0]
     g, (n, k) = len(weights), x0.shape
+    fused = transpose and (x0.element_size() == 2 if fused is None else fused)
     q = torch.empty((g, n, k), dtype=fp8_dtype, device=x0.device)
+    qt = torch.empty((g, k, n), dtype=fp8_dtype, device=x0.device) if fused else q
     s = torch.empty((g, n // BLOCK_SIZE, k // BLOCK_SIZE), dtype=torch.float32, device=x0.device)
     if q.numel():
         table, aligned = _address_table(tuple(w.data_ptr() for w in weights), x0.device)
         _quantize_grouped_weight_kernel[(k // BLOCK_SIZE, n // BLOCK_SIZE, g)](
-            table, x0, q.view(torch.uint8), s, n, k, ALIGNED=aligned,
-            num_warps=num_warps or GROUPED_WEIGHT_WARPS,
+            table, x0, q.view(torch.uint8), qt.view(torch.uint8), s, n, k, ALIGNED=aligned, TRANSPOSE=fused,
+            num_warps=num_warps or (FUSED_WEIGHT_WARPS if fused else GROUPED_WEIGHT_WARPS),
             **_common_args(x0, fp8_dtype, force_pow_2_scales, amax_epsilon, software_cast),
         )
     if not transpose:
         return q, s, None, None
+    if fused:
+        return q, s, qt, s.transpose(1, 2).contiguous()
     return (q, s) + transpose_128x128(q, s)
