@@ -314,6 +314,37 @@ def test_alltoall_world_of_one_makes_no_collective_call(world_of_one, monkeypatc
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("name", ["local", "local-device-counts", "alltoall"])
+def test_before_host_wait_runs_once_and_changes_nothing(world_of_one, name):
+    """``before_host_wait`` runs once per dispatch (also where nothing is waited for); the result is the same."""
+    x, ids, probs = _inputs()
+    make = lambda: (get_dispatcher("local", num_experts=4, host_counts=False) if name == "local-device-counts"
+                    else get_dispatcher(name.split("-")[0], num_experts=4))
+    calls = []
+    res = make().dispatch(x, ids, probs, lambda: calls.append(1))
+    ref = make().dispatch(x, ids, probs)
+    assert calls == [1]
+    assert torch.equal(res.hidden, ref.hidden) and torch.equal(res.topk_probs, ref.topk_probs)
+    counts = res.tokens_per_expert
+    assert counts == ref.tokens_per_expert if isinstance(counts, list) else torch.equal(counts, ref.tokens_per_expert)
+    with pytest.raises(TypeError, match="before_host_wait must be None or a callable taking no arguments, got 1"):
+        make().dispatch(x, ids, probs, 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_host_list_does_not_wait_for_the_work_queued_before_the_wait():
+    """The counts are read behind an event recorded before ``before_host_wait``: the host returns while the GPU
+    still runs what that callable queued (a plain ``tolist()`` would wait for it)."""
+    from transformer_engine_moe.dispatch.base import host_list
+
+    counts = torch.arange(5, device="cuda")
+    torch.cuda.synchronize()
+    values = host_list(counts, lambda: torch.cuda._sleep(2_000_000_000))  # about a second of GPU time
+    still_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert values == [0, 1, 2, 3, 4] and still_running
+
+
 def test_fp8_payload_is_at_most_53_percent_of_bf16():
     fp8, bf16 = (dispatch_payload_bytes(4096, 7168, 8, f) for f in (True, False))
     assert fp8 == 4096 * (7168 + 4 * 56 + 8 * 12) and bf16 == 4096 * (2 * 7168 + 8 * 12)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..ops.permute import permute_rows, row_id_map_of, unpermute_rows
 from ..recipe import FP8FlowRecipe
-from .base import slots_per_expert
+from .base import host_list, slots_per_expert
 from .exchange import ExchangeTokenDispatcher, Rows
 
 
@@ -68,7 +68,7 @@ class AllToAllTokenDispatcher(ExchangeTokenDispatcher):
         return tuple(t if t is None else self._all_to_all(t, layout.output_splits, layout.input_splits)
                      for t in (data, scale_inv))
 
-    def _dispatch(self, rows: Rows, topk_ids: torch.Tensor, topk_probs: torch.Tensor):
+    def _dispatch(self, rows: Rows, topk_ids: torch.Tensor, topk_probs: torch.Tensor, before_host_wait=None):
         g, e_local = self.ep_size, self.num_local_experts
         num_tokens = topk_ids.shape[0]
         owner = topk_ids.div(e_local, rounding_mode="floor") + 1  # 0: slot not selected (id -1)
@@ -79,7 +79,7 @@ class AllToAllTokenDispatcher(ExchangeTokenDispatcher):
         counts = torch.cat([in_rank.sum(0, keepdim=True).t(),
                             slots_per_expert(topk_ids, self.num_experts).view(g, e_local)], 1)
         recv_counts = self._all_to_all(counts, [1] * g, [1] * g)
-        host = torch.cat([counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0)]).tolist()
+        host = host_list(torch.cat([counts[:, 0], recv_counts[:, 0], recv_counts[:, 1:].sum(0)]), before_host_wait)
         input_splits, output_splits, tokens_per_expert = host[:g], host[g:2 * g], host[2 * g:]
 
         row_id_map = row_id_map_of(in_rank)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -72,6 +72,31 @@ class DispatchResult:
     handle: DispatchHandle
 
 
+def check_before_host_wait(before_host_wait) -> None:
+    if before_host_wait is not None and not callable(before_host_wait):
+        raise TypeError(f"before_host_wait must be None or a callable taking no arguments, got {before_host_wait!r}")
+
+
+def host_list(counts: torch.Tensor, before_host_wait: Optional[Callable[[], object]] = None) -> list[int]:
+    """``counts`` (an int device tensor) as a host list: a dispatcher's one host sync, waiting for the
+    copy alone. On CUDA the copy goes to pinned memory behind an event; ``before_host_wait`` runs once it
+    is queued, so the GPU work that callable queues is not waited for: the GPU runs it while the host
+    waits and issues the next kernels (after a plain ``tolist()`` the GPU idles until the host has issued
+    them). Elsewhere: ``before_host_wait``, then ``tolist()``."""
+    if counts.device.type != "cuda":
+        if before_host_wait is not None:
+            before_host_wait()
+        return counts.tolist()
+    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+    host.copy_(counts, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    if before_host_wait is not None:
+        before_host_wait()
+    copied.synchronize()
+    return host.tolist()
+
+
 class TokenDispatcher(abc.ABC):
     """Sends tokens to the EP ranks of their experts and sums the results back.
 
@@ -98,10 +123,17 @@ class TokenDispatcher(abc.ABC):
         self._last_dispatch, self._last_combine = (0, 0, 0, False), (0, 0, 0)
 
     @abc.abstractmethod
-    def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> DispatchResult:
+    def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
+                 before_host_wait: Optional[Callable[[], object]] = None) -> DispatchResult:
         """Send ``hidden [T, H]`` (rowwise 1x128 Float8BlockwiseQTensor or BF16) with ``topk_ids``
         (int64 ``[T, k]`` global expert ids, -1: not selected) and ``topk_probs`` (float32
-        ``[T, k]``) to the ranks of their experts. Differentiable in ``hidden`` and ``topk_probs``."""
+        ``[T, k]``) to the ranks of their experts. Differentiable in ``hidden`` and ``topk_probs``.
+
+        ``before_host_wait``: called once, with no arguments, after the dispatcher has queued the work
+        whose result the host waits for (the per-expert counts) and before it waits (``host_list``):
+        GPU work it queues runs while the host waits, and then while the host issues what follows.
+        FP8FlowMoE queues its weight quantization there. DeepEP waits inside its own dispatch: there
+        it is called before that dispatch."""
 
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -61,7 +61,9 @@ class DeepEPTokenDispatcher(ExchangeTokenDispatcher):
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group), recipe)
         self.buffer = deep_ep.Buffer(group, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes)
 
-    def _dispatch(self, rows: Rows, topk_ids: torch.Tensor, topk_probs: torch.Tensor):
+    def _dispatch(self, rows: Rows, topk_ids: torch.Tensor, topk_probs: torch.Tensor, before_host_wait=None):
+        if before_host_wait is not None:  # DeepEP's dispatch waits for its counts inside: queued ahead of it
+            before_host_wait()
         per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_ids, self.num_experts)
         recv_x, recv_ids, recv_probs, tokens_per_expert, handle, _ = self.buffer.dispatch(
             _as_x(rows), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,

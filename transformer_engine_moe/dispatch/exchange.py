@@ -19,7 +19,7 @@ Both backward passes reuse the handle's layout: no host sync.
 from __future__ import annotations
 
 import abc
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -31,6 +31,7 @@ from .base import (
     DispatchResult,
     Hidden,
     TokenDispatcher,
+    check_before_host_wait,
     check_combine_input,
     check_dispatch_inputs,
     mask_foreign_slots,
@@ -51,17 +52,20 @@ class ExchangeTokenDispatcher(TokenDispatcher):
         super().__init__(num_experts, ep_size, ep_rank)
         self.grad_quantizer = Float8BlockQuantizer.from_recipe(recipe or FP8FlowRecipe(), Role.GRAD)
 
-    def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> DispatchResult:
+    def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
+                 before_host_wait: Optional[Callable[[], object]] = None) -> DispatchResult:
         check_dispatch_inputs(hidden, topk_ids, topk_probs, self.num_experts)
-        return DispatchResult(*_Dispatch.apply(self, hidden, topk_probs, topk_ids.contiguous()))
+        check_before_host_wait(before_host_wait)
+        return DispatchResult(*_Dispatch.apply(self, hidden, topk_probs, topk_ids.contiguous(), before_host_wait))
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         check_combine_input(x, handle)
         return _Combine.apply(self, x, handle)
 
     @abc.abstractmethod
-    def _dispatch(self, rows: Rows, topk_ids: torch.Tensor, topk_probs: torch.Tensor):
-        """Send ``rows`` of T tokens with their top-k to the ranks of their experts.
+    def _dispatch(self, rows: Rows, topk_ids: torch.Tensor, topk_probs: torch.Tensor, before_host_wait):
+        """Send ``rows`` of T tokens with their top-k to the ranks of their experts (``before_host_wait``:
+        as ``dispatch``'s).
 
         Returns ``(rows [R, H] as sent, topk_ids [R, k] local ids or -1, topk_probs [R, k],
         tokens_per_expert host list, layout)``."""
@@ -97,9 +101,9 @@ def _hidden_like(rows: Rows, like: Hidden) -> Hidden:
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dispatcher: ExchangeTokenDispatcher, hidden, topk_probs, topk_ids):
+    def forward(ctx, dispatcher: ExchangeTokenDispatcher, hidden, topk_probs, topk_ids, before_host_wait):
         rows, ids, probs, tokens_per_expert, layout = dispatcher._dispatch(
-            _rows(hidden), topk_ids, topk_probs.contiguous()
+            _rows(hidden), topk_ids, topk_probs.contiguous(), before_host_wait
         )
         handle = DispatchHandle(layout, hidden.shape[0], rows[0].shape[0], rows[1] is not None)
         ctx.dispatcher, ctx.handle = dispatcher, handle
@@ -115,7 +119,7 @@ class _Dispatch(torch.autograd.Function):
         grad_in, grad_in_probs = ctx.dispatcher._combine(
             grad_hidden.contiguous(), ctx.handle.layout, mask_foreign_slots(ids, grad_probs).contiguous()
         )
-        return None, grad_in, grad_in_probs, None
+        return None, grad_in, grad_in_probs, None, None
 
 
 class _Combine(torch.autograd.Function):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -14,7 +14,9 @@ from .base import (
     Hidden,
     TokenDispatcher,
     check_combine_input,
+    check_before_host_wait,
     check_dispatch_inputs,
+    host_list,
     mask_foreign_slots,
     slots_per_expert,
 )
@@ -42,12 +44,18 @@ class LocalTokenDispatcher(TokenDispatcher):
         super().__init__(num_experts, ep_size=1, ep_rank=0)
         self.host_counts = host_counts
 
-    def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor) -> DispatchResult:
+    def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
+                 before_host_wait: Optional[Callable[[], object]] = None) -> DispatchResult:
         check_dispatch_inputs(hidden, topk_ids, topk_probs, self.num_experts)
+        check_before_host_wait(before_host_wait)
         handle = DispatchHandle(None, hidden.shape[0], hidden.shape[0], isinstance(hidden, Float8BlockwiseQTensor))
         counts = slots_per_expert(topk_ids, self.num_experts)
-        return DispatchResult(hidden, topk_ids, mask_foreign_slots(topk_ids, topk_probs),
-                              counts.tolist() if self.host_counts else counts, handle)
+        probs = mask_foreign_slots(topk_ids, topk_probs)
+        if self.host_counts:
+            counts = host_list(counts, before_host_wait)
+        elif before_host_wait is not None:
+            before_host_wait()
+        return DispatchResult(hidden, topk_ids, probs, counts, handle)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         check_combine_input(x, handle)
