@@ -57,6 +57,9 @@ class _BF16TokensMoE(FP8FlowMoE):
 class BF16LoopMoE(_BF16TokensMoE):
     """The BF16 block: one ``F.linear`` per expert, the reference SwiGLU in float32 rounded to BF16."""
 
+    def cache_fp8_weights(self) -> None:
+        """BF16 weights: nothing to quantize ahead."""
+
     def mlp(self, x, probs, padded, is_first_microbatch):
         h = _per_expert_linear(x, self.linear_fc1.weights, padded)
         return _per_expert_linear(weighted_swiglu(h, probs).to(h.dtype), self.linear_fc2.weights, padded)

@@ -122,6 +122,33 @@ def test_moe_expert_recompute_reuses_the_cached_fp8_weights(monkeypatch):
     assert len(quantized) == 6
 
 
+@pytest.mark.parametrize("dispatcher", ["local", "local-device-splits"])
+def test_first_microbatch_weights_are_quantized_during_dispatch(monkeypatch, dispatcher):
+    """``is_first_microbatch=True``: both weights are quantized inside dispatch (its ``before_host_wait``, while the
+    host waits for the counts), once; ``experts`` then reads the caches; output and gradients bit for bit those
+    of a block that quantizes inside fc1 and fc2 (``None``)."""
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
+
+    torch.manual_seed(0)
+    block = FP8FlowMoE(E, H, FFN, K, align_size=128, device_splits=dispatcher == "local-device-splits")
+    x, ids, probs = batch(5)
+    reference = step(block, x, ids, probs)
+    quantized, seen = [], []
+    real_quantize, real_dispatch, real_experts = grouped_linear.quantize_grouped_weight, block.dispatch, block.experts
+    monkeypatch.setattr(grouped_linear, "quantize_grouped_weight",
+                        lambda ws, *a, **kw: quantized.append("dispatch" if seen == ["dispatch"] else "elsewhere")
+                        or real_quantize(ws, *a, **kw))
+    monkeypatch.setattr(block, "dispatch", lambda *a: seen.append("dispatch") or real_dispatch(*a))
+    monkeypatch.setattr(block, "experts", lambda *a: seen.append(a[-1]) or real_experts(*a))
+    monkeypatch.setattr(block, "forward_topk", lambda *a, first=block.forward_topk: first(*a, is_first_microbatch=True))
+    first = step(block, x, ids, probs)
+    assert quantized == ["dispatch", "dispatch"] and seen == ["dispatch", False]
+    for u, v in zip(reference[:3], first[:3]):
+        assert torch.equal(u, v)
+    for us, vs in zip(reference[3:5], first[3:5]):
+        assert all(torch.equal(u, v) for u, v in zip(us, vs))
+
+
 @pytest.mark.parametrize("case", ["one-expert", "no-tokens"])
 def test_routing_corner_cases(case):
     fp8, ref = pair()

@@ -19,8 +19,10 @@ backward and reruns ``experts`` there; nothing is re-dispatched. A forward calle
 the rerun quantizes the weights again.
 
 Host syncs: by default the dispatcher hands ``experts`` host counts per expert (one device-to-host
-copy per step): buffers are sized exactly and every GEMM backend may run. ``device_splits=True``
-(local dispatcher) keeps the counts on the device: permute writes a worst-case buffer, the GEMMs
+copy per step): buffers are sized exactly and every GEMM backend may run. On a first micro-batch
+(``is_first_microbatch=True``) the weights' quantization is queued while the host waits for that
+copy (``dispatch``'s ``before_host_wait``): the GPU runs it through the wait and while the host
+issues what follows. ``device_splits=True`` (local dispatcher) keeps the counts on the device: permute writes a worst-case buffer, the GEMMs
 take device splits (``auto``: DeepGEMM fprop/dgrad where installed, Triton wgrad), and the block
 runs forward and backward without a host sync, so it can be captured in a CUDA graph and replayed
 with other routings (docs/moe.md, CUDA graphs).
@@ -117,8 +119,14 @@ class FP8FlowMoE(nn.Module):
         """``hidden [T, H]`` BF16 -> 1x128 FP8 (fc1's input quantizer: E4M3, power-of-two scales)."""
         return self.linear_fc1.quantizers[Role.INPUT](hidden)
 
-    def dispatch(self, hidden, topk_ids, topk_probs):
-        return self.dispatcher.dispatch(hidden, topk_ids, topk_probs)
+    def dispatch(self, hidden, topk_ids, topk_probs, before_host_wait=None):
+        return self.dispatcher.dispatch(hidden, topk_ids, topk_probs, before_host_wait)
+
+    def cache_fp8_weights(self) -> None:
+        """Quantize fc1's and fc2's weights into their FP8 caches (``is_first_microbatch=True``'s work, done
+        ahead: ``forward_topk`` queues it while the host waits for the dispatch's counts)."""
+        for linear in (self.linear_fc1, self.linear_fc2):
+            linear.fp8_weights(True)
 
     def experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert,
                 is_first_microbatch: Optional[bool] = None):
@@ -181,7 +189,12 @@ class FP8FlowMoE(nn.Module):
         for name, t in (("hidden", hidden), ("topk_ids", topk_ids), ("topk_probs", topk_probs)):
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device}, the block's parameters on {device}: move one of them")
-        res = self.dispatch(self.quantize(hidden), topk_ids, topk_probs.float())
+        # A first micro-batch's weight quantization is queued while the host waits for the dispatch's counts:
+        # the GPU runs it then, and while the host issues the permute after the wait (it would idle there).
+        prefetch = self.cache_fp8_weights if is_first_microbatch else None
+        res = self.dispatch(self.quantize(hidden), topk_ids, topk_probs.float(), prefetch)
+        if prefetch is not None:
+            is_first_microbatch = False  # the caches were filled just now
         if self.recompute == "moe_expert":
             def experts(hidden, topk_ids, topk_probs):  # the rerun reuses the FP8 weights the forward cached
                 nonlocal is_first_microbatch
