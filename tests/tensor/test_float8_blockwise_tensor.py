@@ -97,12 +97,21 @@ def test_split_of_columnwise_and_2d_needs_block_aligned_splits():
         (300, TypeError, "list of Python ints"),
         ([100, 100], ValueError, "sum to M=300"),
         ([400, -100], ValueError, ">= 0"),
+        ([100.0, 200.0], TypeError, "m_splits must be a list of ints"),
+        ([], ValueError, "non-empty"),
     ],
-    ids=["tensor", "int", "sum", "negative"],
+    ids=["tensor", "int", "sum", "negative", "floats", "empty"],
 )
 def test_split_bad_input(splits, exc, match):
     with pytest.raises(exc, match=match):
         _q().split(splits)
+
+
+def test_split_of_no_rows():
+    """Zero rows split by ``[]`` into no pieces, or by zeros into empty pieces (the checks of ``check_m_splits``)."""
+    q = quantize_blockwise(torch.randn(0, 256))
+    assert q.split([]) == ()
+    assert [p.shape for p in q.split([0, 0])] == [(0, 256), (0, 256)]
 
 
 def test_view_and_reshape_keep_storage_and_gradients():
