@@ -178,37 +178,6 @@ def test_fp8_weight_cache_follows_is_first_microbatch():
         gl(x, splits, is_first_microbatch=1)
 
 
-def test_cached_weight_transpose_goes_to_one_forward_only(monkeypatch):
-    """``is_first_microbatch=True`` writes W^T with W; that forward's backward uses it (no byte transpose) and
-    frees it, later micro-batches' backwards transpose the cached W: the same dgrad and wgrad, bit for bit,
-    as without the cache. Float32 weights take the same path (their W^T from the byte transpose)."""
-    import transformer_engine_moe.module.grouped_linear as glm
-
-    calls = []
-    real = glm.transpose_grouped_weight
-    monkeypatch.setattr(glm, "transpose_grouped_weight", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    splits = [128, 0, 256]
-    for dtype in (torch.bfloat16, torch.float32):
-        gl, x = setup(splits, params_dtype=dtype)
-        dy = torch.randn(sum(splits), gl.out_features, device=x.device, dtype=torch.bfloat16)
-
-        def grads(first):
-            gl.zero_grad()
-            xi = x.clone().requires_grad_()
-            gl(xi, splits, is_first_microbatch=first).backward(dy)
-            return [xi.grad] + [w.grad for w in gl.weights]
-
-        calls.clear()
-        uncached = grads(None)
-        assert len(calls) == 1
-        first = grads(True)
-        assert len(calls) == 1 and gl._cache[1] is None  # W^T from the quantizing launch, handed over once
-        later = grads(False)
-        assert len(calls) == 2
-        for a, b, c in zip(uncached, first, later):
-            assert torch.equal(a, b) and torch.equal(a, c)
-
-
 def test_checkpoint_gives_same_gradients():
     splits = [64, 192]
     gl, x = setup(splits)

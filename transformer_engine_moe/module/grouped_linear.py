@@ -13,11 +13,9 @@ used as is, never dequantized. Per step:
   128x1, what wgrad reads; the rowwise input is not kept, as TE keeps only the
   columnwise copy).
 - backward: the output gradient is quantized 1x128 (E4M3, or E5M2 for the HYBRID
-  recipe); dgrad ``dX = dY @ W_g`` through W^T, dropped with W right after the dgrad
-  GEMM (only one FP8 copy of the weights lives across micro-batches). W^T comes from
-  the launch that quantized W into the cache (``is_first_microbatch=True``: one pass
-  over the BF16 weights writes both), handed to the one forward that first reads that
-  cache; every other backward makes it by a byte transpose of W; wgrad ``dW_g = dY_g^T X_g`` from the
+  recipe); dgrad ``dX = dY @ W_g`` through W^T, a byte transpose of W made here and
+  dropped with W right after the dgrad GEMM (only one FP8 copy of the weights lives
+  across the step, W^T only during dgrad); wgrad ``dW_g = dY_g^T X_g`` from the
   scaling-aware transpose of dY and the kept transpose of the input. With
   ``fuse_wgrad_accumulation``, wgrad is added into each weight's ``main_grad``
   (Megatron) and ``.grad`` gets a placeholder, as in TE: Megatron's DDP hooks fire
@@ -92,11 +90,10 @@ def _placeholder_wgrad(weight: torch.Tensor) -> torch.Tensor:
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, m_splits, module, fp8_weights, bias, *weights):
+    def forward(ctx, inp, m_splits, module, weight_fp8, bias, *weights):
         # no autograd Function inside this one (torch.compile could not trace it): quantize, transpose as raw ops
         x = inp if isinstance(inp, Float8BlockwiseQTensor) else quantize_in_function(
             inp.contiguous(), module.quantizers[Role.INPUT].args)
-        weight_fp8, ctx.weight_t_fp8 = fp8_weights  # W, and W^T when the quantization wrote it (else None)
         out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
         if bias is not None:
             out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
@@ -114,7 +111,6 @@ class _GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         module, m_splits = ctx.module, ctx.m_splits
         weight, ctx.weight_fp8 = ctx.weight_fp8, None
-        weight_t, ctx.weight_t_fp8 = ctx.weight_t_fp8, None
         if weight is None:
             raise RuntimeError("GroupedLinear's backward ran twice through one graph: it drops its FP8 weights "
                                "after the dgrad GEMM (as TransformerEngine frees its FP8 tensors in backward), so "
@@ -122,10 +118,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dy = quantize_in_function(grad_out.contiguous(), module.quantizers[Role.GRAD].args)
         dgrad = None
         if ctx.needs_input_grad[0]:
-            if weight_t is None:
-                weight_t = transpose_grouped_weight(weight, backend=module.weight_backend)
+            weight_t = transpose_grouped_weight(weight, backend=module.weight_backend)
             dgrad = grouped_gemm(dy, weight_t, m_splits, out_dtype=grad_out.dtype, backend=module.backend)
-        del weight, weight_t  # the wgrad output below need not coexist with the FP8 weights (peak memory)
+            del weight_t
+        del weight  # the wgrad output below need not coexist with the FP8 weights (peak memory)
         dweights = [None] * len(ctx.weights)
         if ctx.wgrad:
             # dy^T alone (no rowwise copy): dy's rowwise bytes are freed with dy (peak memory)
@@ -225,7 +221,7 @@ class GroupedLinear(nn.Module):
                 self.register_parameter(f"bias{i}", nn.Parameter(
                     torch.zeros(out_features, dtype=params_dtype, device=device)))
         self.use_bias = bias
-        self._cache = None  # (W, W^T or None): fp8_weights
+        self._cache = None
 
     @property
     def weight_backend(self) -> str:
@@ -247,40 +243,24 @@ class GroupedLinear(nn.Module):
 
     def fp8_weights(self, is_first_microbatch: Optional[bool] = None) -> Float8BlockwiseQTensor:
         """``W [G, N, K]`` 128x128 FP8 (``ops.quantize_grouped_weight``: one launch quantizes the G
-        weights in place).
+        weights in place). Only W is cached: backward makes W^T from it (a byte transpose, about 3%
+        of a step) and frees it after dgrad, so the cache costs one byte per parameter, not two.
 
         TransformerEngine's ``is_first_microbatch`` rule: None quantizes the current weights and
         keeps nothing; True quantizes them and caches the result; False reuses the cache (the
         weights have not changed since the micro-batch that said True). Optimizers write weights
         through ``.data`` or flat buffers without bumping parameter versions, so only the caller
         knows when the cache is stale.
-
-        True also writes W^T ``[G, K, N]`` from the same launch (16-bit weights; about 15% less time
-        than a byte transpose after) and keeps it in the cache for the next forward alone, whose
-        backward frees it after dgrad; the cache then holds W only (one byte per parameter across
-        micro-batches) and later backwards make W^T from W.
         """
         if is_first_microbatch is False and self._cache is not None:
-            return self._cache[0]
+            return self._cache
         self._cache = None  # not alive next to its replacement
-        weight, weight_t = self._quantize_weights(transpose=is_first_microbatch is True)
-        self._cache = None if is_first_microbatch is None else (weight, weight_t)
-        return weight
-
-    def _quantize_weights(self, transpose: bool):
         q = self.quantizers[Role.WEIGHT]
         with torch.no_grad():
-            return quantize_grouped_weight(self.weights, q.dtype, q.force_pow_2_scales, q.amax_epsilon,
-                                           transpose=transpose, backend=self.weight_backend)
-
-    def _take_fp8_weights(self, is_first_microbatch: Optional[bool]):
-        """``(W, W^T or None)`` for one forward (``fp8_weights``); a cached W^T goes to this forward only."""
-        weight = self.fp8_weights(is_first_microbatch)
-        if self._cache is None:
-            return weight, None
-        weight_t = self._cache[1]
-        self._cache = (weight, None)
-        return weight, weight_t
+            weight, _ = quantize_grouped_weight(self.weights, q.dtype, q.force_pow_2_scales, q.amax_epsilon,
+                                                transpose=False, backend=self.weight_backend)
+        self._cache = None if is_first_microbatch is None else weight
+        return weight
 
     def reset_fp8_weight_cache(self) -> None:
         """Drop the FP8 weights cached by ``is_first_microbatch=True``; the next call quantizes the
@@ -322,9 +302,9 @@ class GroupedLinear(nn.Module):
                 raise ValueError(f"fuse_wgrad_accumulation=True adds weight gradients into each weight's main_grad (a "
                                  f"float32 buffer shaped like it, as Megatron's DDP allocates); {missing[0]} "
                                  f"has none")
-        w, w_t = self._take_fp8_weights(is_first_microbatch)
+        w = self.fp8_weights(is_first_microbatch)
         bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
-        return _GroupedLinearFunction.apply(inp, m_splits, self, (w, w_t), bias, *self.weight_params)
+        return _GroupedLinearFunction.apply(inp, m_splits, self, w, bias, *self.weight_params)
 
     def _weight_names(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` of each weight parameter (``weight_params``)."""
