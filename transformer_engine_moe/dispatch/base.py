@@ -73,6 +73,7 @@ class DispatchResult:
 
 
 def check_before_host_wait(before_host_wait) -> None:
+    """Raise TypeError unless ``dispatch``'s ``before_host_wait`` is None or callable."""
     if before_host_wait is not None and not callable(before_host_wait):
         raise TypeError(f"before_host_wait must be None or a callable taking no arguments, got {before_host_wait!r}")
 

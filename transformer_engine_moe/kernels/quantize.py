@@ -31,10 +31,11 @@ FLAT_CONFIG = (16, 1, 4)
 ROWWISE_CONFIG = (16, 2, 4)  # ragged K or strided rows
 COLWISE_CONFIG = (64, 4)  # (BLOCK_K, num_warps) of the 128x1 kernel: 69% of copy (expert-major, x128 groups)
 GROUPED_WEIGHT_WARPS = 8  # quantize_grouped_weight, W only, aligned weights: 97-99% of copy on an H200 (4 warps: 78)
-# quantize_grouped_weight writing W and W^T from one launch (16-bit weights): 92-93% of copy on an H100 with 4
-# warps (8: 79-81%, 16: 84-85%): 14-16% less time than W then the byte transpose, DeepSeek-V3 expert shapes at 64
-# and 128 experts (2026-11-23; benchmarks/bench_quantize_grouped_weight.py). With float32 weights the same kernel wrote wrong bytes under
-# Triton 3.6 (also transposing the codes or the scaled tile), so float32 weights take the two launches.
+# quantize_grouped_weight writing W and W^T from one launch (16-bit weights): 92-93% of copy on an H100 with
+# 4 warps (8: 79-81%, 16: 84-85%): 14-16% less time than W then the byte transpose, DeepSeek-V3 expert shapes
+# at 64 and 128 experts (2026-11-23; benchmarks/bench_quantize_grouped_weight.py). With float32 weights the
+# same kernel wrote wrong bytes under Triton 3.6 (also transposing the codes or the scaled tile), so float32
+# weights take the two launches.
 FUSED_WEIGHT_WARPS = 4
 
 

@@ -22,10 +22,10 @@ Host syncs: by default the dispatcher hands ``experts`` host counts per expert (
 copy per step): buffers are sized exactly and every GEMM backend may run. On a first micro-batch
 (``is_first_microbatch=True``) the weights' quantization is queued while the host waits for that
 copy (``dispatch``'s ``before_host_wait``): the GPU runs it through the wait and while the host
-issues what follows. ``device_splits=True`` (local dispatcher) keeps the counts on the device: permute writes a worst-case buffer, the GEMMs
-take device splits (``auto``: DeepGEMM fprop/dgrad where installed, Triton wgrad), and the block
-runs forward and backward without a host sync, so it can be captured in a CUDA graph and replayed
-with other routings (docs/moe.md, CUDA graphs).
+issues what follows. ``device_splits=True`` (local dispatcher) keeps the counts on the device:
+permute writes a worst-case buffer, the GEMMs take device splits (``auto``: DeepGEMM fprop/dgrad
+where installed, Triton wgrad), and the block runs forward and backward without a host sync, so it
+can be captured in a CUDA graph and replayed with other routings (docs/moe.md, CUDA graphs).
 """
 
 from __future__ import annotations
