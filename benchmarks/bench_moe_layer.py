@@ -22,7 +22,7 @@ step at 64 experts on an H200, in every block). Blocks, all with the same parame
 Reports step time, peak memory above the inputs, activation bytes kept for backward, and (``--profile``)
 where the FP8-Flow step's GPU time goes at the given expert counts: GEMMs vs the rest, by kernel. Writes a PNG.
 
-Run on a GPU: ``python benchmarks/bench_moe_layer.py [--experts 8 32 64 128] [--profile 64 128]``.
+Run on a GPU: ``python benchmarks/bench_moe_layer.py [--experts 8 32 64 128] [--profile 64 128] [--suffix _h200]``.
 """
 
 from __future__ import annotations
@@ -156,6 +156,8 @@ def profile(experts: int) -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64, 128])
+    parser.add_argument("--suffix", default="",
+                        help="appended to the results' name (e.g. _h200: bench_moe_layer_h200 for a second GPU)")
     parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="EXPERTS",
                         help="also profile the FP8-Flow step at these local expert counts (e.g. 64 128)")
     args = parser.parse_args()
@@ -163,7 +165,7 @@ def main():
     ceilings = {"copy_bandwidth_tbps (1 GiB, read+write)": utils.copy_bandwidth_tbps()}
     rows = [r for e in args.experts for r in sweep_point(e)]
     path = utils.write_results(
-        "bench_moe_layer", "MoE expert block forward+backward, EP=1, per rank", env, ceilings, rows,
+        f"bench_moe_layer{args.suffix}", "MoE expert block forward+backward, EP=1, per rank", env, ceilings, rows,
         ["experts", "rows_per_expert", "block", "ms", "speedup_over_bf16_grouped_mm", "peak_gib",
          "peak_vs_bf16_grouped_mm", "peak_uncached_gib", "saved_gib"],
         notes=(f"{TOKENS} tokens, hidden {HIDDEN}, ffn {FFN}, top-{TOPK}, uniform random router. FP8 blocks pad "
