@@ -72,30 +72,23 @@ class DispatchResult:
     handle: DispatchHandle
 
 
-def check_before_host_wait(before_host_wait) -> None:
-    """Raise TypeError unless ``dispatch``'s ``before_host_wait`` is None or callable."""
-    if before_host_wait is not None and not callable(before_host_wait):
-        raise TypeError(f"before_host_wait must be None or a callable taking no arguments, got {before_host_wait!r}")
-
-
 def host_list(counts: torch.Tensor, before_host_wait: Optional[Callable[[], object]] = None) -> list[int]:
     """``counts`` (an int device tensor) as a host list: a dispatcher's one host sync, waiting for the
     copy alone. On CUDA the copy goes to pinned memory behind an event; ``before_host_wait`` runs once it
     is queued, so the GPU work that callable queues is not waited for: the GPU runs it while the host
     waits and issues the next kernels (after a plain ``tolist()`` the GPU idles until the host has issued
     them). Elsewhere: ``before_host_wait``, then ``tolist()``."""
-    if counts.device.type != "cuda":
-        if before_host_wait is not None:
-            before_host_wait()
-        return counts.tolist()
-    host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-    host.copy_(counts, non_blocking=True)
-    copied = torch.cuda.Event()
-    copied.record()
+    copied = None
+    if counts.device.type == "cuda":
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        counts = host.copy_(counts, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
     if before_host_wait is not None:
         before_host_wait()
-    copied.synchronize()
-    return host.tolist()
+    if copied is not None:
+        copied.synchronize()
+    return counts.tolist()
 
 
 class TokenDispatcher(abc.ABC):
@@ -160,8 +153,10 @@ class TokenDispatcher(abc.ABC):
         self._last_combine = (rows, hidden, topk)
 
 
-def check_dispatch_inputs(hidden, topk_ids, topk_probs, num_experts: int) -> None:
+def check_dispatch_inputs(hidden, topk_ids, topk_probs, num_experts: int, before_host_wait=None) -> None:
     """Raise TypeError/ValueError naming the bad argument of ``dispatch``."""
+    if before_host_wait is not None and not callable(before_host_wait):
+        raise TypeError(f"before_host_wait must be None or a callable taking no arguments, got {before_host_wait!r}")
     if isinstance(hidden, Float8BlockwiseQTensor):
         if hidden.rowwise_data is None or hidden.is_2D_scaled:
             raise ValueError(

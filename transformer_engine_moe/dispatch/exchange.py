@@ -31,7 +31,6 @@ from .base import (
     DispatchResult,
     Hidden,
     TokenDispatcher,
-    check_before_host_wait,
     check_combine_input,
     check_dispatch_inputs,
     mask_foreign_slots,
@@ -54,8 +53,7 @@ class ExchangeTokenDispatcher(TokenDispatcher):
 
     def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
                  before_host_wait: Optional[Callable[[], object]] = None) -> DispatchResult:
-        check_dispatch_inputs(hidden, topk_ids, topk_probs, self.num_experts)
-        check_before_host_wait(before_host_wait)
+        check_dispatch_inputs(hidden, topk_ids, topk_probs, self.num_experts, before_host_wait)
         return DispatchResult(*_Dispatch.apply(self, hidden, topk_probs, topk_ids.contiguous(), before_host_wait))
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

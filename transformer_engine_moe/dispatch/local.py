@@ -13,7 +13,6 @@ from .base import (
     DispatchResult,
     Hidden,
     TokenDispatcher,
-    check_before_host_wait,
     check_combine_input,
     check_dispatch_inputs,
     host_list,
@@ -46,8 +45,7 @@ class LocalTokenDispatcher(TokenDispatcher):
 
     def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
                  before_host_wait: Optional[Callable[[], object]] = None) -> DispatchResult:
-        check_dispatch_inputs(hidden, topk_ids, topk_probs, self.num_experts)
-        check_before_host_wait(before_host_wait)
+        check_dispatch_inputs(hidden, topk_ids, topk_probs, self.num_experts, before_host_wait)
         handle = DispatchHandle(None, hidden.shape[0], hidden.shape[0], isinstance(hidden, Float8BlockwiseQTensor))
         counts = slots_per_expert(topk_ids, self.num_experts)
         probs = mask_foreign_slots(topk_ids, topk_probs)
