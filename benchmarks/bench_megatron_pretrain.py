@@ -14,8 +14,8 @@ Runs (``VARIANTS``):
 - ``fp8_flow_alltoall`` / ``fp8_flow_deepep``: FP8-Flow with ``--moe-token-dispatcher-type alltoall`` /
   ``flex`` (DeepEP when ``deep_ep`` imports, else all-to-all with a warning: the environment says which);
 - ``fp8_flow_alltoall_moe_expert`` / ``fp8_flow_deepep_moe_expert``: the same with ``moe_expert`` recompute;
-- ``fp8_flow_alltoall_single_weight``: ``fp8_flow_alltoall`` with one weight parameter per expert GEMM
-  (``--moe-fp8-flow-single-grouped-weight``) instead of one per expert;
+- ``fp8_flow_alltoall_single_weight`` / ``fp8_flow_deepep_single_weight`` (and ``..._moe_expert``): one weight
+  parameter per expert GEMM (``--moe-fp8-flow-single-grouped-weight``) instead of one per expert;
 - ``megatron_bf16_seed_control``: ``megatron_bf16`` with the next seed (how far runs land from initialisation).
 All runs with one seed start from the same experts (FP8-Flow and the stand-in draw them as Megatron does).
 
@@ -28,8 +28,8 @@ Per run: tokens/s per GPU (global batch x sequence / mean iteration time after t
 allocated memory (Megatron's memory report, MiB), final loss (mean of the last quarter of logged losses),
 the log's ``experts:`` line (which GEMM backends ran). Each run is one ``torchrun`` bounded by
 ``--run-timeout`` (killed with its workers, reported as timed out); results accumulate in
-``benchmarks/results/bench_megatron_pretrain_ep{N}.json`` / ``.md`` across invocations, so the runs can be
-spread over several calls:
+``benchmarks/results/bench_megatron_pretrain_ep{N}.json`` / ``.md`` across invocations, written after every
+run, so the runs can be spread over several calls:
 
     python benchmarks/bench_megatron_pretrain.py --config deepseek_small --variants megatron_bf16 fp8_flow_alltoall
 """
@@ -66,6 +66,7 @@ CONFIGS = {
 }
 FP8_FLOW = "--fp8-format e4m3 --fp8-recipe blockwise --moe-fp8-flow"
 MOE_EXPERT = "--recompute-granularity selective --recompute-modules moe_expert"
+SINGLE_WEIGHT = "--moe-fp8-flow-single-grouped-weight"
 GROUPED_MM = str(ROOT / "benchmarks" / "megatron_grouped_mm.py")
 VARIANTS = {  # name -> (entry: a module for -m or a script path, flags)
     "megatron_bf16": ("examples.pretrain_gpt", "--moe-token-dispatcher-type alltoall"),
@@ -75,8 +76,12 @@ VARIANTS = {  # name -> (entry: a module for -m or a script path, flags)
     "fp8_flow_alltoall_moe_expert": ("examples.pretrain_gpt",
                                      f"{FP8_FLOW} --moe-token-dispatcher-type alltoall {MOE_EXPERT}"),
     "fp8_flow_deepep_moe_expert": ("examples.pretrain_gpt", f"{FP8_FLOW} --moe-token-dispatcher-type flex {MOE_EXPERT}"),
-    "fp8_flow_alltoall_single_weight": ("examples.pretrain_gpt", f"{FP8_FLOW} --moe-token-dispatcher-type alltoall "
-                                                                 "--moe-fp8-flow-single-grouped-weight"),
+    "fp8_flow_alltoall_single_weight": ("examples.pretrain_gpt",
+                                        f"{FP8_FLOW} --moe-token-dispatcher-type alltoall {SINGLE_WEIGHT}"),
+    "fp8_flow_deepep_single_weight": ("examples.pretrain_gpt",
+                                      f"{FP8_FLOW} --moe-token-dispatcher-type flex {SINGLE_WEIGHT}"),
+    "fp8_flow_deepep_single_weight_moe_expert": ("examples.pretrain_gpt", f"{FP8_FLOW} --moe-token-dispatcher-type "
+                                                                          f"flex {SINGLE_WEIGHT} {MOE_EXPERT}"),
     "megatron_bf16_seed_control": ("examples.pretrain_gpt", "--moe-token-dispatcher-type alltoall"),
 }
 ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # recorded in a row when set
@@ -84,6 +89,7 @@ WARMUP_ITERS = 10  # iterations left out of the timing
 MICRO_BATCHES = 8  # per GPU per iteration
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+) .*lm loss: ([\d.E+-]+)")
 MEM = re.compile(r"max allocated: ([\d.]+)")
+ERROR = re.compile(r"^\s*(?:\[rank\d+\]: )?[\w.]*(?:Error|Exception): .*$", re.M)  # an exception's message line
 
 
 def v3_layers(gpus: int) -> int:
@@ -131,13 +137,19 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
 
 
 def outcome(status: str, out: str, tokens_per_iter: int, gpus: int) -> dict:
-    """What a run's row records of its ``out``put: ``parse_log``'s fields when it logged iterations, and the
-    log's tail when the run failed (what it logged before failing, and why) or logged none."""
+    """What a run's row records of its ``out``put: ``parse_log``'s fields when it logged iterations, and, when
+    the run failed or logged none, the log's tail and its first exception line (``error``: the root cause, where
+    the tail is mostly torchrun's report of the workers it stopped). A failed run's loss curve and memory are
+    kept; its tokens/s and iteration time are not (they would time the iterations before the failure)."""
     row = {} if status == "ok" else {"log_tail": out[-3000:]}
     try:
         row.update(parse_log(out, tokens_per_iter, gpus))
     except ValueError:
         row["log_tail"] = out[-3000:]
+    if status != "ok":
+        row.update(tokens_per_s_per_gpu=None, iter_ms=None)
+    if "log_tail" in row:
+        row["error"] = next((m.group(0) for m in ERROR.finditer(out) if "ChildFailedError" not in m.group(0)), "")
     return row
 
 
@@ -189,14 +201,14 @@ def main():
         print(variant, status, {k: row.get(k) for k in ("tokens_per_s_per_gpu", "max_allocated_mib", "final_loss")},
               flush=True)
         rows[args.config, variant] = row
-    path = write(list(rows.values()), env, gpus, seq)
+        path = write(list(rows.values()), env, gpus, seq)  # after every run: a call cut short keeps the runs done
     print(path.read_text())
 
 
 def write(rows: list[dict], env: dict, gpus: int, seq: int):
     """``rows`` -> ``bench_megatron_pretrain_ep{gpus}`` .json / .md / .png under benchmarks/results; the .md path."""
     columns = ["config", "variant", "device", "status", "micro_batches", "tokens_per_s_per_gpu", "iter_ms",
-               "max_allocated_mib", "final_loss", "wall_s", "allocator", "experts"]
+               "max_allocated_mib", "final_loss", "wall_s", "allocator", "experts", "error"]
     notes = (f"EP = {gpus} GPUs, TransformerEngine absent (--transformer-impl local: attention and dense layers BF16), "
              f"mock data, sequence {seq}, `micro_batches` micro-batches of one sequence per GPU per iteration; "
              f"timing excludes the first {WARMUP_ITERS} iterations. `allocator`: the CUDA caching allocator's "
@@ -211,8 +223,8 @@ def write(rows: list[dict], env: dict, gpus: int, seq: int):
 
 
 def plot(rows: list[dict], path, gpus: int) -> None:
-    """One line of panels per config: the loss curves of its runs, and their tokens/s per GPU (label: variant,
-    device, micro-batches per iteration)."""
+    """One line of panels per config: the loss curves of its runs, and the tokens/s per GPU of those that did not
+    fail (label: variant, device, micro-batches per iteration)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,8 +237,9 @@ def plot(rows: list[dict], path, gpus: int) -> None:
         for r in runs:  # rows from before curve_iters was recorded: their log lines in order
             loss_ax.plot(r.get("curve_iters") or range(1, len(r["curve"]) + 1), r["curve"], marker=".",
                          label=r["variant"])
-        labels = [f"{r['variant']}\n{r.get('device', '?')}, {r.get('micro_batches', '?')} mb" for r in runs]
-        speed_ax.barh(labels, [r["tokens_per_s_per_gpu"] for r in runs])
+        timed = [r for r in runs if r.get("tokens_per_s_per_gpu") is not None]  # not a run that failed
+        labels = [f"{r['variant']}\n{r.get('device', '?')}, {r.get('micro_batches', '?')} mb" for r in timed]
+        speed_ax.barh(labels, [r["tokens_per_s_per_gpu"] for r in timed])
         loss_ax.set(title=f"{config}: lm loss",
                     xlabel="iteration" if all(r.get("curve_iters") for r in runs) else "log line")
         speed_ax.set(title=f"{config}: tokens/s per GPU (EP={gpus})")

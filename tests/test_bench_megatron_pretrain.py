@@ -79,30 +79,48 @@ def test_parse_log():
         bench.parse_log("Traceback ...", 1, 1)
 
 
-def test_outcome_keeps_a_failed_runs_log_tail_with_what_it_logged():
-    assert "log_tail" not in bench.outcome("ok", LOG, 4 * 4096, 4)
-    failed = bench.outcome("exit 1", LOG + "torch.OutOfMemoryError: CUDA out of memory", 4 * 4096, 4)
-    assert failed["final_loss"] == 7.0 and failed["log_tail"].endswith("CUDA out of memory")
-    assert bench.outcome("ok", "no iterations", 1, 1) == {"log_tail": "no iterations"}
+TORCHRUN_REPORT = """
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+examples.pretrain_gpt FAILED
+"""
+
+
+def test_outcome_keeps_a_failed_runs_log_tail_and_root_cause_with_what_it_logged():
+    ok = bench.outcome("ok", LOG, 4 * 4096, 4)
+    assert "log_tail" not in ok and "error" not in ok and ok["iter_ms"] == 150.0
+    oom = "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 7.00 GiB"
+    failed = bench.outcome("exit 1", LOG + "Traceback (most recent call last):\n" + oom + "\n" + TORCHRUN_REPORT,
+                           4 * 4096, 4)
+    assert failed["final_loss"] == 7.0 and failed["log_tail"].endswith("FAILED\n")
+    assert failed["error"] == oom  # the root cause, not torchrun's ChildFailedError
+    assert failed["tokens_per_s_per_gpu"] is None and failed["iter_ms"] is None  # not a measurement
+    assert bench.outcome("ok", "no iterations", 1, 1) == {"log_tail": "no iterations", "error": ""}
 
 
 def test_plot_draws_every_config_and_run(tmp_path, monkeypatch):
     """The results PNG: per config, the loss curves and tokens/s of its runs (a row without a curve is left
-    out, e.g. a run that timed out)."""
+    out, e.g. a run that timed out; a failed run's curve is drawn without a tokens/s bar)."""
     pytest.importorskip("matplotlib")
     drawn = []
     import matplotlib.axes
 
     monkeypatch.setattr(matplotlib.axes.Axes, "plot", lambda self, x, y, **kw: drawn.append((list(x), y, kw["label"])))
+    bars = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "barh", lambda self, labels, widths: bars.append(list(widths)))
     row = dict(bench.parse_log(LOG, 4 * 4096, 4), device="H100", micro_batches=8)
+    oom = bench.outcome("exit 1", LOG + "torch.OutOfMemoryError: CUDA out of memory", 4 * 4096, 4)
     rows = [dict(row, config="deepseek_small", variant="fp8_flow_alltoall"),
             dict(row, config="deepseek_small", variant="bf16_grouped_mm", curve=[11.0, 9.5, 8.5, 7.5]),
             dict(row, config="deepseek_v3_slice", variant="megatron_bf16"),
+            dict(oom, config="deepseek_v3_slice", variant="bf16_grouped_mm", status="exit 1"),
             dict(config="deepseek_v3_slice", variant="fp8_flow_deepep", status="timed out")]
     bench.plot(rows, tmp_path / "p.png", gpus=4)
     assert (tmp_path / "p.png").stat().st_size > 0
-    assert [label for *_, label in drawn] == ["fp8_flow_alltoall", "bf16_grouped_mm", "megatron_bf16"]
+    assert [label for *_, label in drawn] == ["fp8_flow_alltoall", "bf16_grouped_mm", "megatron_bf16", "bf16_grouped_mm"]
     assert drawn[1][:2] == ([5, 10, 15, 20], [11.0, 9.5, 8.5, 7.5])
+    speed = row["tokens_per_s_per_gpu"]
+    assert bars == [[speed, speed], [speed]]  # the failed run's curve is drawn, it gets no tokens/s bar
 
 
 def test_a_run_past_its_time_limit_is_killed_with_its_children(tmp_path):
