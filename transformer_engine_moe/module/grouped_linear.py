@@ -284,7 +284,8 @@ class GroupedLinear(nn.Module):
         if not isinstance(inp, Float8BlockwiseQTensor) and inp.dtype not in (torch.bfloat16, torch.float16,
                                                                              torch.float32):
             raise TypeError(f"inp must be bf16/fp16/fp32 or a Float8BlockwiseQTensor, got {inp.dtype}")
-        device = self.weight_params[0].device
+        params = self.weight_params
+        device = params[0].device
         if inp.device != device:
             raise ValueError(f"inp is on {inp.device}, the weights on {device}: move one of them")
         if isinstance(inp, Float8BlockwiseQTensor) and (inp.is_2D_scaled or not inp.force_pow_2_scales
@@ -304,7 +305,7 @@ class GroupedLinear(nn.Module):
                                  f"has none")
         w = self.fp8_weights(is_first_microbatch)
         bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
-        return _GroupedLinearFunction.apply(inp, m_splits, self, w, bias, *self.weight_params)
+        return _GroupedLinearFunction.apply(inp, m_splits, self, w, bias, *params)
 
     def _weight_names(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` of each weight parameter (``weight_params``)."""
