@@ -117,7 +117,8 @@ def test_plot_draws_every_config_and_run(tmp_path, monkeypatch):
             dict(config="deepseek_v3_slice", variant="fp8_flow_deepep", status="timed out")]
     bench.plot(rows, tmp_path / "p.png", gpus=4)
     assert (tmp_path / "p.png").stat().st_size > 0
-    assert [label for *_, label in drawn] == ["fp8_flow_alltoall", "bf16_grouped_mm", "megatron_bf16", "bf16_grouped_mm"]
+    labels = ["fp8_flow_alltoall", "bf16_grouped_mm", "megatron_bf16", "bf16_grouped_mm"]
+    assert [label for *_, label in drawn] == labels
     assert drawn[1][:2] == ([5, 10, 15, 20], [11.0, 9.5, 8.5, 7.5])
     speed = row["tokens_per_s_per_gpu"]
     assert bars == [[speed, speed], [speed]]  # the failed run's curve is drawn, it gets no tokens/s bar
