@@ -91,6 +91,28 @@ def test_auto_picks_deepgemm_only_where_it_can_run():
 
 
 @requires_deepgemm
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_trailing_weightless_group(as_tensor):
+    """Five splits for four experts: DeepGEMM skips the last group's tiles (``m_indices`` -1) and its rows come
+    out zero even where the output's memory held NaN before; wgrad with ``num_groups=4`` reads the leading
+    rows only; no host sync with device splits."""
+    splits, slack = [0, 384, 128, 512], 256
+    (w, wt, _, _), (_, _, x, dy) = operands(splits), operands(splits + [slack])  # 4 experts, 5 groups of rows
+    full = torch.tensor(splits + [slack], device="cuda") if as_tensor else splits + [slack]
+    for a, b in ((x, w), (dy, wt)):
+        torch.full((sum(splits) + slack, b.shape[1]), float("nan"), dtype=torch.bfloat16, device="cuda")  # freed
+        out = grouped_gemm(a, b, full, backend="deepgemm")
+        ref = grouped_gemm(a, b, splits + [slack], out_dtype=torch.float32, backend="reference")
+        assert torch.equal(out[sum(splits):], torch.zeros_like(out[sum(splits):])) and relerr(out, ref) < TOL
+    xt, dyt = scaling_aware_transpose(x, splits + [slack]), scaling_aware_transpose(dy, splits + [slack])
+    got = grouped_gemm_wgrad(dyt, xt, splits + [slack], num_groups=4, backend="deepgemm")
+    assert got.shape == (4, 256, 512)
+    assert relerr(got, grouped_gemm_wgrad(dyt, xt, splits + [slack], num_groups=4, backend="reference")) < TOL
+    if as_tensor:
+        assert_no_host_sync(lambda: grouped_gemm(x, w, full, backend="deepgemm"))
+
+
+@requires_deepgemm
 def test_no_host_sync_with_device_or_host_splits():
     splits = [384, 0, 640, 128]
     w, _, x, _ = operands(splits)

@@ -111,6 +111,38 @@ def test_fp8_input_list_and_tensor_splits_and_bias():
     assert torch.equal(gl.bias0.grad, torch.full_like(gl.bias0, 100)) and (gl.bias1.grad == 0).all()
 
 
+@pytest.mark.parametrize("fuse", [False, True], ids=["grad", "main_grad"])
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_trailing_weightless_group(fuse, as_tensor):
+    """One split more than experts: those rows' outputs are zero (no bias either), their input gradients
+    zero, and every weight and bias gradient is bitwise the module's on the leading rows alone."""
+    splits, slack = [100, 0, 156], 72
+    mods = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        gl, _ = setup(splits, bias=True, fuse_wgrad_accumulation=fuse)
+        for w in gl.weights:
+            w.main_grad = torch.zeros(w.shape, device=KERNEL_DEVICE)
+        mods.append(gl)
+    x = torch.randn(sum(splits) + slack, 256, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    ms = (lambda v: torch.tensor(v, device=KERNEL_DEVICE)) if as_tensor else list
+    with torch.no_grad():  # nonzero biases: the weightless rows get none
+        for gl in mods:
+            for i in range(3):
+                getattr(gl, f"bias{i}").fill_(i + 1.0)
+    xa, xb = x.clone().requires_grad_(), x[:256].clone().requires_grad_()
+    ya, yb = mods[0](xa, ms(splits + [slack])), mods[1](xb, ms(splits))
+    assert torch.equal(ya[256:], torch.zeros(slack, 128, dtype=ya.dtype, device=KERNEL_DEVICE))
+    assert torch.equal(ya[:256], yb)
+    dy = torch.randn_like(ya)
+    ya.backward(dy)
+    yb.backward(dy[:256])
+    assert torch.equal(xa.grad[256:], torch.zeros_like(xa.grad[256:])) and torch.equal(xa.grad[:256], xb.grad)
+    for (name, a), b in zip(mods[0].named_parameters(), mods[1].parameters()):
+        assert torch.equal(a.main_grad if fuse and name.startswith("weight") else a.grad,
+                           b.main_grad if fuse and name.startswith("weight") else b.grad), name
+
+
 def test_main_grad_accumulation_and_weight_cache():
     splits = [128, 128]
     gl, x = setup(splits, fuse_wgrad_accumulation=True)
@@ -313,6 +345,7 @@ def test_single_grouped_weight_checkpoints_load_both_ways():
         (None, lambda gl: gl(torch.randn(4, 128), [5, -1]), ValueError, ">= 0"),
         (None, lambda gl: gl(torch.ones(4, 128, dtype=torch.int32), [2, 2]), TypeError, "bf16/fp16/fp32"),
         (None, lambda gl: gl(torch.randn(4, 128), [4]), ValueError, "1 groups but the weight has 2 experts"),
+        (None, lambda gl: gl(torch.randn(4, 128), [1, 1, 1, 1]), ValueError, r"4 groups .* takes 2 groups, or 3"),
         (lambda: GroupedLinear(2, 128, 128, recipe="e4m3"), None, TypeError, "recipe must be an FP8FlowRecipe"),
         (lambda: GroupedLinear(2, 128, 128, recipe=FP8FlowRecipe(force_pow_2_scales=False)), None, ValueError,
          "force_pow_2_scales must be True"),
@@ -330,7 +363,8 @@ def test_single_grouped_weight_checkpoints_load_both_ways():
         (None, lambda gl: gl(quantize_blockwise(torch.randn(4, 128), force_pow_2_scales=False), [2, 2]), ValueError,
          "rowwise 1x128 with power-of-two scales"),
     ],
-    ids=["features", "num-gemms", "params-dtype", "in-features", "sum", "negative", "dtype", "groups", "recipe-str",
+    ids=["features", "num-gemms", "params-dtype", "in-features", "sum", "negative", "dtype", "groups", "groups-4",
+         "recipe-str",
          "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad", "single-fuse-without-main-grad", "single-not-bool", "device", "weight-role-input",
          "fp32-scales-input"],
 )

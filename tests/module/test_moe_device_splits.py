@@ -53,8 +53,8 @@ def inputs(seed, t=T):
 
 @pytest.mark.parametrize("case", ["random", "one-expert", "ragged"])
 def test_device_splits_equal_host_splits(case):
-    """Same outputs and gradients, bitwise: the extra rows are zero rows counted in the last expert, whose
-    outputs nobody reads and whose wgrad contribution is exactly zero."""
+    """Same outputs and gradients, bitwise: the extra rows are a trailing weightless group after the
+    experts' padded counts, which the GEMMs write as zeros and wgrad never reads."""
     host, dev = blocks()
     x, dy = inputs(1)
     ids, probs = routing(2, case)
@@ -63,7 +63,9 @@ def test_device_splits_equal_host_splits(case):
     res = dev.dispatch(dev.quantize(x), ids, probs)
     rows, m_splits = dev._permute(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert)[::4]
     assert rows.shape[0] == -(-(T * K + E * 127) // 128) * 128 and isinstance(m_splits, torch.Tensor)
-    assert (m_splits % 128 == 0).all() and m_splits.sum() == rows.shape[0]
+    assert (m_splits % 128 == 0).all() and m_splits.sum() == rows.shape[0] and m_splits.numel() == E + 1
+    counts = res.tokens_per_expert.tolist()
+    assert m_splits[:E].tolist() == [-(-c // 128) * 128 for c in counts]  # the experts' own padded rows
 
 
 def test_device_splits_with_no_tokens():

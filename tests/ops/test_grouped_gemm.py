@@ -120,6 +120,34 @@ def test_wgrad_reads_each_experts_own_block(splits):
         assert out.shape == (len(splits), n, k) and relerr(out.cpu(), want) < TOL, impl.__name__
 
 
+WEIGHTLESS = [([0, 130, 0, 70], 56), ([256, 0, 0, 0], 128), ([64, 64, 64, 64], 0), ([0, 0, 0, 0], 200)]
+
+
+@pytest.mark.parametrize("splits,slack", WEIGHTLESS, ids=str)
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_trailing_weightless_group(splits, slack, as_tensor):
+    """G + 1 splits for G experts: the last group's rows (random values here, not zeros) come out zero from
+    fprop and dgrad, and wgrad with ``num_groups=G`` never reads them: every other row and every weight
+    gradient is bitwise what the G experts give on the leading rows alone (Triton, reference)."""
+    m, n, k = sum(splits), 256, 384
+    w, x, dy = weights(4, n, k), act(m + slack, k), act(m + slack, n, E5M2)
+    full, lead = splits + [slack], splits
+    head = lambda t: t.split([m, slack])[0]  # the leading rows' FP8 tensor
+    ms = (lambda s: torch.tensor(s, device=KERNEL_DEVICE)) if as_tensor else (lambda s: s)
+    for backend in ("triton", "reference"):
+        for a, b in ((x, w), (dy, transpose_grouped_weight(w))):
+            torch.full((m + slack, b.shape[1]), float("nan"), device=KERNEL_DEVICE)  # freed: the GPU reuses it
+            out = grouped_gemm(a, b, ms(full), out_dtype=torch.float32, backend=backend)
+            assert torch.equal(out[m:], torch.zeros(slack, b.shape[1], device=KERNEL_DEVICE))
+            assert torch.equal(out[:m], grouped_gemm(head(a), b, ms(lead), out_dtype=torch.float32, backend=backend))
+        s_full, s_lead = ms(full), ms(lead)
+        got = grouped_gemm_wgrad(scaling_aware_transpose(dy, s_full), scaling_aware_transpose(x, s_full), s_full,
+                                 num_groups=4, backend=backend)
+        want = grouped_gemm_wgrad(scaling_aware_transpose(head(dy), s_lead), scaling_aware_transpose(head(x), s_lead),
+                                  s_lead, backend=backend)
+        assert got.shape == (4, n, k) and torch.equal(got, want)
+
+
 def test_empty_input():
     w = weights(2, 128, 128)
     assert grouped_gemm(act(0, 128), w, [0, 0], backend="triton").shape == (0, 128)
@@ -131,7 +159,9 @@ def test_empty_input():
     "call,exc,match",
     [
         (lambda x, w: grouped_gemm(x, w, [100, 100]), ValueError, r"sum to M=256"),
-        (lambda x, w: grouped_gemm(x, w, [256, 0, 0]), ValueError, r"3 groups but the weight has 2 experts"),
+        (lambda x, w: grouped_gemm(x, w, [256, 0, 0, 0]), ValueError, r"4 groups but the weight has 2 experts"),
+        (lambda x, w: grouped_gemm_wgrad(*[scaling_aware_transpose(x, [128, 128])] * 2, [128, 128], num_groups=0),
+         ValueError, r"num_groups must be None, 2 or 1 .*got 0"),
         (lambda x, w: grouped_gemm(x, w, [300, -44]), ValueError, r">= 0"),
         (lambda x, w: grouped_gemm(x, w, None), ValueError, r"m_splits is required"),
         (lambda x, w: grouped_gemm(act(256, 384), w, [128, 128]), ValueError, r"384 features but weight expects K=256"),
@@ -151,7 +181,7 @@ def test_empty_input():
         (lambda x, w: transpose_grouped_weight(w.dequantize()), TypeError, r"weight must be a Float8BlockwiseQTensor"),
         (lambda x, w: transpose_grouped_weight(w, backend="cuda"), ValueError, r"transpose_grouped_weight: backend"),
     ],
-    ids=["sum", "groups", "negative", "none", "features", "bf16-inp", "bf16-weight", "1x128-weight",
+    ids=["sum", "groups", "num-groups", "negative", "none", "features", "bf16-inp", "bf16-weight", "1x128-weight",
          "out-dtype", "wgrad-out-dtype", "backend", "no-columnwise", "other-splits", "out-shape",
          "transpose-1x128", "transpose-bf16", "transpose-backend"],
 )
@@ -222,6 +252,22 @@ def test_gpu_deepseek_shapes_all_backends(e, m, n, k):
     rt = torch.tensor(ragged, device="cuda")
     assert relerr(grouped_gemm(x, w, rt, out_dtype=torch.float32, backend="triton"),
                   grouped_gemm(x, w, ragged, out_dtype=torch.float32, backend="reference")) < TOL
+
+
+@requires_cuda
+def test_gpu_trailing_weightless_group_cublas():
+    """cuBLAS (host splits): the weightless group's rows are zero even where the output's memory held NaN
+    before, the experts' rows within the GEMM tolerance of the reference; wgrad over the leading groups."""
+    splits, slack = [512, 0, 1024], 384
+    w, x = weights(3, 256, 512, "cuda"), act(sum(splits) + slack, 512, device="cuda")
+    torch.full((sum(splits) + slack, 256), float("nan"), dtype=torch.bfloat16, device="cuda")  # freed: reused
+    out = grouped_gemm(x, w, splits + [slack], backend="cublas")
+    assert torch.equal(out[1536:], torch.zeros_like(out[1536:]))
+    assert relerr(out, grouped_gemm(x, w, splits + [slack], out_dtype=torch.float32, backend="reference")) < TOL
+    dy = act(sum(splits) + slack, 256, device="cuda")
+    dyt, xt = scaling_aware_transpose(dy, splits + [slack]), scaling_aware_transpose(x, splits + [slack])
+    ref = grouped_gemm_wgrad(dyt, xt, splits + [slack], num_groups=3, backend="reference")
+    assert relerr(grouped_gemm_wgrad(dyt, xt, splits + [slack], num_groups=3, backend="cublas"), ref) < TOL
 
 
 @requires_cuda

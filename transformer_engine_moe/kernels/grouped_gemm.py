@@ -11,11 +11,14 @@ per-128 promotion), so a tile sees ``acc += dot(a_kb, b_kb) * sa * sb``.
   scales: the weights (fprop) or their per-expert transpose (dgrad; Hopper's FP8 tensor
   cores take both operands K-major, docs/grouped_gemm.md). Tiles
   are group-relative 128-row blocks, the same blocks as the 128x1 column scales,
-  so a tile never straddles two experts.
+  so a tile never straddles two experts. A trailing group past B's G (a weightless
+  group: a worst-case buffer's slack) is left out of the launch and zeroed by
+  ``zero_weightless_rows``.
 - ``grouped_gemm_wgrad``: ``C_g[N, K] = A^T_g @ B^T_g^T`` with both operands in
   the expert-major columnwise layout of the scaling-aware transpose (group g's
   ``[N, m_g]`` and ``[K, m_g]`` blocks, block-major 128x1 scales ``[num_column_blocks, N]``),
   reducing over the group's tokens; float32 out, optionally accumulated into it (``main_grad``).
+  The splits may cover only the leading rows: rows after them (a weightless group) are never read.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def _grouped_gemm_kernel(
 ):
     """One [128, BLOCK_N] tile of C (N % BLOCK_N == 0, BLOCK_N <= 128 within one 128-column weight block):
     A's column block ``pid_m`` (group-relative 128 rows) times B_g. Two K blocks per iteration: the second
-    block's MMAs are issued before the first one's promotion (docs/grouped_gemm.md)."""
+    block's MMAs are issued before the first one's promotion (docs/grouped_gemm.md). Rows after the
+    ``num_groups`` groups are not touched."""
     num_pid_n = N // BLOCK_N
     num_pid_m = tl.num_programs(0) // num_pid_n
     pid = tl.program_id(0)
@@ -147,10 +151,38 @@ def _grouped_wgrad_kernel(
     tl.store(c, cast_for_store(acc, c_ptr.dtype.element_ty, SOFTWARE_CAST))
 
 
+@triton.jit
+def _zero_weightless_rows_kernel(c_ptr, sizes_ptr, num_groups, num_weights, M, N,
+                                 MAX_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Zero ``[128, BLOCK_N]`` of ``C [M, N]`` where its rows lie after the first ``num_weights`` groups;
+    programs wholly before them return at once."""
+    g = tl.arange(0, MAX_GROUPS)
+    sizes = tl.load(sizes_ptr + g, mask=g < num_groups, other=0)
+    first = tl.sum(tl.where(g < num_weights, sizes, 0), axis=0)
+    rows = tl.program_id(0) * 128 + tl.arange(0, 128)
+    if tl.program_id(0) * 128 + 128 > first:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ok = ((rows >= first) & (rows < M))[:, None] & (cols < N)[None, :]
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], tl.zeros((128, BLOCK_N), c_ptr.dtype.element_ty),
+                 mask=ok)
+
+
+def zero_weightless_rows(c, m_splits, num_weights):
+    """Zero the rows of ``c [M, N]`` after the first ``num_weights`` groups of ``m_splits`` (host list or
+    device tensor: no host sync), for a GEMM that skips them (DeepGEMM's ``m_indices`` -1)."""
+    m, n = c.shape
+    if m and n and m_splits is not None and len(m_splits) > num_weights:
+        sizes, g, _, max_groups = group_sizes_arg(m_splits, c.device)
+        grid = (triton.cdiv(m, 128), triton.cdiv(n, 512))
+        _zero_weightless_rows_kernel[grid](c, sizes, g, num_weights, m, n, MAX_GROUPS=max_groups, BLOCK_N=512)
+    return c
+
+
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
     """``a [M, R]`` FP8 with ``a_scale_inv [M, R/128]``; ``b`` ``[G, N, R]`` FP8 (K-major: the weights for
     fprop, their per-expert transpose for dgrad) with 128x128 ``b_scale_inv`` ``[G, N/128, R/128]``;
-    ``m_splits`` list or device int tensor -> ``C [M, N] = A @ B_g^T`` per group in ``out_dtype``."""
+    ``m_splits`` list or device int tensor (G groups, or G + 1: the last one weightless, its rows zero)
+    -> ``C [M, N] = A @ B_g^T`` per group in ``out_dtype``."""
     m, r = a.shape
     n = b.shape[1]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -159,7 +191,10 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
     if r == 0:
         return c.zero_()
     block_n, group_m, num_warps, num_stages = config or GEMM_CONFIG
-    sizes, g, grouped, max_groups = group_sizes_arg(m_splits, a.device)
+    num_weights = b.shape[0]
+    # a trailing weightless group: the kernel sees the weights' groups only (its blocks find no group)
+    groups = m_splits if m_splits is None or len(m_splits) <= num_weights else m_splits[:num_weights]
+    sizes, g, grouped, max_groups = group_sizes_arg(groups, a.device)
     # B_g[r, n] = b[g, n, r]
     strides = (b.stride(0), b.stride(2), b.stride(1), b_scale_inv.stride(0), b_scale_inv.stride(2),
                b_scale_inv.stride(1))
@@ -171,7 +206,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
         R=r, GROUPED=grouped, MAX_GROUPS=max_groups, SOFTWARE_CAST=use_software_cast(a),
         BLOCK_N=block_n, GROUP_M=group_m, NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
     )
-    return c
+    return zero_weightless_rows(c, m_splits, num_weights)
 
 
 def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
@@ -179,7 +214,8 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     """``a_t``, ``b_t``: the expert-major 128x1 columnwise data (``[M*N]``, ``[M*K]``, ``layout.py``) of
     ``dY [M, N]`` and ``X [M, K]`` grouped by ``m_splits``, with block-major scales ``[num_column_blocks, N]``
     and ``[.., K]`` -> ``C [G, N, K]`` in ``out_dtype`` (written into ``out``, or added to it when
-    ``accumulate``, float32). N and K multiples of the block shape (128)."""
+    ``accumulate``, float32). N and K multiples of the block shape (128). ``m_splits`` may sum to fewer
+    rows than the operands hold: the rows after its G groups (a weightless group) are not read."""
     n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
     sizes, g, _, max_groups = group_sizes_arg(m_splits, a_t.device)
     if out is None:

@@ -41,24 +41,26 @@ def _col_major(s: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
-    """As ``kernels.grouped_gemm.grouped_gemm`` (``b`` K-major ``[G, N, R]``), for host ``m_splits``."""
+    """As ``kernels.grouped_gemm.grouped_gemm`` (``b`` K-major ``[G, N, R]``), for host ``m_splits`` (a
+    trailing weightless group's rows zeroed)."""
     m, n = a.shape[0], b.shape[1]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     lo = 0
-    for g, size in enumerate(m_splits):
+    for g, size in enumerate(m_splits[:b.shape[0]]):
         if size:
             torch.ops.aten._scaled_mm.out(
                 a[lo:lo + size], b[g].t(), _col_major(a_scale_inv[lo:lo + size]), b_scale_inv[g].t(),
                 out_dtype=out_dtype, out=c[lo:lo + size],
             )
         lo += size
+    c[lo:].zero_()
     return c
 
 
 def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
                        out_dtype=torch.float32, config=None):
     """As ``kernels.grouped_gemm.grouped_gemm_wgrad`` (expert-major operands; host list of groups of
-    128-multiple sizes)."""
+    128-multiple sizes, of the leading rows)."""
     n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
     if out is None:
         out = torch.empty((len(m_splits), n, k), dtype=out_dtype, device=a_t.device)

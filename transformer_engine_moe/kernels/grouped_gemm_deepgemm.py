@@ -88,22 +88,29 @@ def supports_wgrad(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits) -> bool
     return a_dtype == b_dtype == torch.float8_e4m3fn and isinstance(m_splits, list) and _aligned(m_splits)
 
 
-def _m_indices(m_splits, m: int, device) -> torch.Tensor:
-    """int32 ``[M]``: the group of each row (DeepGEMM's ``m_indices``), without a host sync."""
+def _m_indices(m_splits, m: int, device, num_weights: int) -> torch.Tensor:
+    """int32 ``[M]``: the group of each row (DeepGEMM's ``m_indices``), -1 for the rows of a trailing
+    weightless group (``g >= num_weights``: DeepGEMM skips their tiles), without a host sync."""
     if isinstance(m_splits, torch.Tensor):
         check_on_device((m_splits % alignment() == 0).all(),
                         f"deepgemm: every group's rows must be a multiple of {alignment()}")
-    return row_groups(m_splits, m, device, torch.int32)
+    groups = row_groups(m_splits, m, device, torch.int32)
+    groups_of_splits = len(m_splits) if isinstance(m_splits, list) else m_splits.numel()
+    return groups if groups_of_splits <= num_weights else torch.where(groups < num_weights, groups, -1)
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
     """As ``kernels.grouped_gemm.grouped_gemm``: ``a [M, R]`` E4M3 1x128, ``b [G, N, R]`` E4M3 128x128
-    -> ``C [M, N]`` BF16, ``C[rows of g] = A[rows of g] @ B_g^T``."""
+    -> ``C [M, N]`` BF16, ``C[rows of g] = A[rows of g] @ B_g^T``; the rows of a trailing weightless
+    group (``m_splits`` with G + 1 groups) are skipped by DeepGEMM and zeroed by a Triton kernel."""
     m, n = a.shape[0], b.shape[1]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m:
         _module().m_grouped_fp8_gemm_nt_contiguous((a, a_scale_inv), (b, b_scale_inv), c,
-                                                   _m_indices(m_splits, m, a.device))
+                                                   _m_indices(m_splits, m, a.device, b.shape[0]))
+        from .grouped_gemm import zero_weightless_rows  # Triton: present wherever DeepGEMM runs
+
+        zero_weightless_rows(c, m_splits, b.shape[0])
     return c
 
 
@@ -111,13 +118,15 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
                        out_dtype=torch.float32, config=None):
     """As ``kernels.grouped_gemm.grouped_gemm_wgrad``, on expert-major operands: ``C_g [N, K] =
     A_g^T B_g`` over group g's rows, float32 accumulation into ``out`` (added to it when
-    ``accumulate``) or a new ``[G, N, K]`` tensor in ``out_dtype``. ``m_splits``: host list."""
-    n, k, groups = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1], len(m_splits)
+    ``accumulate``) or a new ``[G, N, K]`` tensor in ``out_dtype``. ``m_splits``: host list (of the leading
+    rows: those after it, a weightless group, are left out of the operands DeepGEMM sees)."""
+    n, k, groups, rows = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1], len(m_splits), sum(m_splits)
     d = out if out is not None else torch.empty((groups, n, k), dtype=torch.float32, device=a_t.device)
     if not accumulate:
         d.zero_()
     if groups:
+        blocks = rows // 128  # whole 128-row column blocks (every group aligned)
         _module().k_grouped_fp8_gemm_nt_contiguous(
-            (a_t.view(-1), a_t_scale_inv.t()), (b_t.view(-1), b_t_scale_inv.t()), d, list(m_splits),
-            m_splits_tensor(m_splits, a_t.device, torch.int32), c=d)
+            (a_t.view(-1)[:rows * n], a_t_scale_inv[:blocks].t()), (b_t.view(-1)[:rows * k], b_t_scale_inv[:blocks].t()),
+            d, list(m_splits), m_splits_tensor(m_splits, a_t.device, torch.int32), c=d)
     return d if out is not None or out_dtype == torch.float32 else d.to(out_dtype)

@@ -47,8 +47,12 @@ from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
 
 def _bias_rows(bias: torch.Tensor, m_splits: MSplits, m: int) -> torch.Tensor:
-    """``[M, N]``: each row's group bias (no host sync for device splits)."""
-    return torch.repeat_interleave(bias, m_splits_tensor(m_splits, bias.device), dim=0, output_size=m)
+    """``[M, N]``: each row's group bias, zero in a trailing weightless group (no host sync for device
+    splits)."""
+    sizes = m_splits_tensor(m_splits, bias.device)
+    if sizes.numel() > bias.shape[0]:
+        bias = torch.cat([bias, bias.new_zeros(1, bias.shape[1])])
+    return torch.repeat_interleave(bias, sizes, dim=0, output_size=m)
 
 
 def _stacked_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -137,21 +141,23 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 main_grads = [w.main_grad for w in ctx.weights]  # per expert [N, K], or one [G, N, K]
                 stacked = _stacked_view(main_grads)
                 if stacked is not None:  # accumulated in place (DeepGEMM: C = D = main_grad)
-                    grouped_gemm_wgrad(dy_t, x_t, m_splits, out=stacked, accumulate=True, backend=module.backend)
+                    grouped_gemm_wgrad(dy_t, x_t, m_splits, out=stacked, accumulate=True, num_groups=module.num_gemms,
+                                       backend=module.backend)
                 else:
-                    wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, backend=module.backend)
+                    wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, num_groups=module.num_gemms, backend=module.backend)
                     torch._foreach_add_(main_grads, [wgrad] if module.single_grouped_weight else list(wgrad.unbind(0)))
                 for w in ctx.weights:
                     w.grad_added_to_main_grad = True
                 dweights = [_placeholder_wgrad(w) for w in ctx.weights]
             else:  # written in the weights' dtype: no FP32 [G, N, K] buffer
-                wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, out_dtype=ctx.weights[0].dtype, backend=module.backend)
+                wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, out_dtype=ctx.weights[0].dtype,
+                                           num_groups=module.num_gemms, backend=module.backend)
                 dweights = [wgrad] if module.single_grouped_weight else list(wgrad.unbind(0))
         dbias = None
         if ctx.has_bias:
             rows = row_groups(m_splits, grad_out.shape[0], grad_out.device)
-            dbias = torch.zeros((module.num_gemms, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
-            dbias = dbias.index_add_(0, rows, grad_out.float()).to(module.bias_dtype)
+            dbias = torch.zeros((module.num_gemms + 1, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
+            dbias = dbias.index_add_(0, rows, grad_out.float())[:-1].to(module.bias_dtype)  # row G: weightless
         return (dgrad, None, None, None, dbias, *dweights)
 
 
@@ -275,8 +281,10 @@ class GroupedLinear(nn.Module):
     def forward(self, inp: Union[torch.Tensor, Float8BlockwiseQTensor], m_splits: Union[Sequence[int], torch.Tensor],
                 is_first_microbatch: Optional[bool] = None):
         """``inp [M, in_features]`` BF16/FP32 or a rowwise 1x128 Float8BlockwiseQTensor; ``m_splits``
-        per-expert row counts (host list or device int tensor) -> ``[M, out_features]`` in ``inp``'s
-        (logical) dtype. ``is_first_microbatch``: FP8 weight caching as in TE (``fp8_weights``)."""
+        per-expert row counts (host list or device int tensor; one more trailing count for a weightless
+        group: rows whose output is zero and whose gradients are left out, ``ops.grouped_gemm``) ->
+        ``[M, out_features]`` in ``inp``'s (logical) dtype. ``is_first_microbatch``: FP8 weight caching
+        as in TE (``fp8_weights``)."""
         if not isinstance(inp, torch.Tensor):
             raise TypeError(f"inp must be a tensor or Float8BlockwiseQTensor, got {type(inp).__name__}")
         if inp.dim() != 2 or inp.shape[1] != self.in_features:

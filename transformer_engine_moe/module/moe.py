@@ -67,7 +67,8 @@ class FP8FlowMoE(nn.Module):
             ``config.init_method`` / ``output_layer_init_method``); default: as ``GroupedLinear``.
         device_splits: keep the per-expert counts on the device (local dispatcher only): no host sync,
             worst-case ``round_up(T*k + E*(align_size-1), align_size)`` permuted rows, the slack (zero
-            rows) counted in the last expert; CUDA-graph capturable. Default False: host counts.
+            rows) a trailing weightless group the GEMMs skip; CUDA-graph capturable. Default False: host
+            counts.
         fuse_wgrad_accumulation: both ``GroupedLinear``s add weight gradients into each weight's FP32
             ``main_grad`` (Megatron's ``gradient_accumulation_fusion``, as TE's grouped experts take it).
         single_grouped_weight: each ``GroupedLinear`` holds one ``weight`` ``[E_local, N, K]`` parameter
@@ -143,8 +144,9 @@ class FP8FlowMoE(nn.Module):
         """-> ``(x [M, H], probs [M], row_id_map, pad_offsets, m_splits)``, each expert's rows padded to
         ``align_size``. Host counts: M is the padded total, ``m_splits`` a host list. A device tensor of
         counts: M is the worst case ``round_up(R*k + E*(a-1), a)``, fixed by the shapes (a CUDA graph's
-        static buffer), and ``m_splits`` the padded counts on the device with the slack (zero rows,
-        multiples of ``a``) counted in the last expert, whose outputs nobody reads."""
+        static buffer), and ``m_splits`` the E padded counts on the device and the slack (zero rows, a
+        multiple of ``a``) as a trailing weightless group: the GEMMs write zeros there without computing
+        them, and wgrad never reads them (``ops.grouped_gemm``)."""
         a, e = self.align_size, self.num_local_experts
         routing_map, probs = topk_to_routing_map(topk_ids, topk_probs, e)
         if not isinstance(tokens_per_expert, torch.Tensor):
@@ -155,7 +157,7 @@ class FP8FlowMoE(nn.Module):
         rows = -(-(topk_ids.numel() + slack) // a) * a
         x, probs, row_id_map, pad_offsets, padded = moe_permute_and_pad_with_probs(
             hidden, probs, routing_map, tokens_per_expert, a, num_out_tokens=rows - slack)
-        return x, probs, row_id_map, pad_offsets, torch.cat([padded[:-1], (rows - padded[:-1].sum()).view(1)])
+        return x, probs, row_id_map, pad_offsets, torch.cat([padded, (rows - padded.sum()).view(1)])
 
     def combine(self, y: torch.Tensor, handle) -> torch.Tensor:
         return self.dispatcher.combine(y, handle)

@@ -13,6 +13,10 @@ each, same signatures):
   see ``kernels/grouped_gemm_cublas.py``.
 - ``"triton"``: one launch per GEMM over all experts; group sizes read on the
   device (``m_splits`` may be a device tensor: no host sync, CUDA-graph safe); any sizes.
+
+Every backend takes a trailing weightless group (``m_splits`` with one group more than the weight
+has experts): fprop/dgrad write zeros there without computing them, wgrad (``num_groups``) never
+reads those rows. ``FP8FlowMoE(device_splits=True)`` puts its worst-case buffer's slack there.
 - ``"reference"``: plain PyTorch in float32 (the oracle, and the CPU path).
 - ``"auto"``: on the GPU, the first of ``AUTO_ORDER`` that can run the call (and, for
   cuBLAS, only experts large enough: ``cublas_pays``); the reference on CPU.
@@ -130,13 +134,15 @@ def _check_act(t, name: str, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_splits(m_splits: MSplits, m: int, groups: Optional[int], device) -> tuple[MSplits, int]:
-    """Validated ``(m_splits, number of groups)``; ``groups``: the count the weight expects (None: any)."""
+    """Validated ``(m_splits, number of groups)``; ``groups``: the weight's experts, which the splits have,
+    or one more: a trailing weightless group (None: any count)."""
     if m_splits is None:
         raise ValueError("m_splits is required: a host list or a device int tensor of per-expert row counts")
     m_splits = check_m_splits(m_splits, m, device=device)
     n = len(m_splits) if isinstance(m_splits, list) else m_splits.numel()
-    if groups is not None and n != groups:
-        raise ValueError(f"m_splits has {n} groups but the weight has {groups} experts")
+    if groups is not None and n not in (groups, groups + 1):
+        raise ValueError(f"m_splits has {n} groups but the weight has {groups} experts (m_splits takes {groups} "
+                         f"groups, or {groups + 1}: the last one weightless)")
     return m_splits, n
 
 
@@ -158,7 +164,9 @@ def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_
     """``out[rows of g] = inp[rows of g] @ weight[g]^T``: ``inp [M, K]`` 1x128 rowwise, ``weight
     [G, N, K]`` 128x128 -> ``[M, N]`` in ``out_dtype``. fprop passes the weights, dgrad their
     ``ops.transpose.transpose_grouped_weight`` and the output gradient as ``inp``. Not differentiable (see
-    ``module.GroupedLinear``)."""
+    ``module.GroupedLinear``). ``m_splits``: G row counts summing to M, or G + 1 whose last group is
+    weightless: its rows of ``out`` are zero and no backend computes them (the slack of a worst-case
+    buffer sized without a host sync: ``FP8FlowMoE(device_splits=True)``)."""
     a, a_scale = _check_act(inp, "inp", "rowwise")
     b, b_scale = check_grouped_weight(weight)
     if inp.shape[1] != weight.shape[2]:
@@ -174,12 +182,15 @@ def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_
 
 def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8BlockwiseQTensor, m_splits: MSplits, *,
                        out: Optional[torch.Tensor] = None, accumulate: bool = False,
-                       out_dtype: torch.dtype = torch.float32, backend: str = "auto") -> torch.Tensor:
+                       out_dtype: torch.dtype = torch.float32, num_groups: Optional[int] = None,
+                       backend: str = "auto") -> torch.Tensor:
     """``dW[g] = grad_output[rows of g]^T @ inp[rows of g]`` -> ``[G, N, K]`` float32, from the grouped
     (expert-major) 128x1 columnwise copies of ``grad_output [M, N]`` and ``inp [M, K]`` (scaling-aware
     transpose with these ``m_splits``). ``out``: a float32 ``[G, N, K]`` buffer written, or added to when ``accumulate``
     (Megatron's ``main_grad`` fusion); without ``out``, a new tensor in ``out_dtype`` (FP32 accumulation,
-    one rounding at the end)."""
+    one rounding at the end). ``num_groups``: the gradients of the first ``num_groups`` groups only (None:
+    all); one less than the groups of ``m_splits`` leaves out a trailing weightless group (``grouped_gemm``),
+    whose rows no backend reads."""
     a, a_scale = _check_act(grad_output, "grad_output", "columnwise")
     b, b_scale = _check_act(inp, "inp", "columnwise")
     if grad_output.shape[0] != inp.shape[0]:
@@ -190,6 +201,12 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
         if (own is not m_splits) and not (isinstance(own, list) and own == m_splits):
             raise ValueError(f"{name}'s columnwise copy is grouped by {own if isinstance(own, list) else 'another tensor'}"
                              f", not by these m_splits; transpose it with the same m_splits")
+    if num_groups is not None:
+        if type(num_groups) is not int or num_groups not in (groups, groups - 1):
+            raise ValueError(f"num_groups must be None, {groups} or {groups - 1} (m_splits' groups, or one less: "
+                             f"a trailing weightless group), got {num_groups!r}")
+        if num_groups < groups:
+            m_splits, groups = m_splits[:num_groups], num_groups  # a device tensor's view: no host sync
     shape = (groups, grad_output.shape[1], inp.shape[1])
     if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous float32 tensor of shape {list(shape)}, got {out.dtype} "

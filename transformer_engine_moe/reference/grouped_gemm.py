@@ -27,7 +27,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
     a32 = dequantize_1x128(a, a_scale_inv, torch.float32)
     n = b.shape[1]
     c = torch.zeros((a.shape[0], n), dtype=torch.float32, device=a.device)
-    for g, (lo, hi) in enumerate(_ranges(m_splits, a.shape[0])):
+    for g, (lo, hi) in enumerate(_ranges(m_splits, a.shape[0])[:b.shape[0]]):  # a weightless group: zeros
         if hi > lo:
             w = dequantize_128x128(b[g], b_scale_inv[g], torch.float32)
             c[lo:hi] = a32[lo:hi] @ w.t()
@@ -37,10 +37,14 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
 def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
                        out_dtype=torch.float32, config=None):
     """``C_g [N, K] = A_g^T B_g`` over group g's rows of the logical ``A [M, N]``, ``B [M, K]`` given as their
-    expert-major columnwise copies (float32 math, then ``out_dtype``)."""
-    a32 = dequantize_128x1(a_t, a_t_scale_inv, torch.float32, m_splits)
-    b32 = dequantize_128x1(b_t, b_t_scale_inv, torch.float32, m_splits)
-    ranges = _ranges(m_splits, a32.shape[0])
+    expert-major columnwise copies (float32 math, then ``out_dtype``). ``m_splits`` may cover only the
+    leading rows (the rest, a weightless group, is not read)."""
+    n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
+    ranges = _ranges(m_splits, a_t.numel() // n)
+    splits = [hi - lo for lo, hi in ranges]
+    rows = sum(splits)
+    a32 = dequantize_128x1(a_t.reshape(-1)[:rows * n], a_t_scale_inv, torch.float32, splits)
+    b32 = dequantize_128x1(b_t.reshape(-1)[:rows * k], b_t_scale_inv, torch.float32, splits)
     c = torch.stack([a32[lo:hi].t() @ b32[lo:hi] for lo, hi in ranges]) if ranges else a32.new_zeros(
         (0, a32.shape[1], b32.shape[1]))
     if out is None:
