@@ -20,9 +20,11 @@ step at 64 experts on an H200, in every block). Blocks, all with the same parame
   Their memory columns are of the same step run eagerly.
 
 Reports step time, peak memory above the inputs, activation bytes kept for backward, and (``--profile``)
-where the FP8-Flow step's GPU time goes at the given expert counts: GEMMs vs the rest, by kernel. Writes a PNG.
+where the GPU time of the ``fp8_flow`` step and of the ``fp8_flow_graph_auto`` replay goes at the given
+expert counts: GEMMs vs the rest, by kernel. Writes a PNG.
 
-Run on a GPU: ``python benchmarks/bench_moe_layer.py [--experts 8 32 64 128] [--profile 64 128] [--suffix _h200]``.
+Run on a GPU: ``python benchmarks/bench_moe_layer.py [--experts 8 32 64 128] [--profile 64 128] [--suffix _h200]``
+(``--experts`` with no count: the profile alone).
 """
 
 from __future__ import annotations
@@ -128,16 +130,31 @@ def sweep_point(experts) -> list[dict]:
 
 
 def profile(experts: int) -> list[dict]:
-    """GPU time per kernel category of one FP8-Flow step (torch.profiler, 5 steps averaged)."""
+    """GPU time per kernel category of one eager FP8-Flow step and of one replay of the step captured with
+    device splits (``fp8_flow_graph_auto``), torch.profiler, 5 steps averaged."""
     x, ids, probs, dy = inputs(experts)
-    block = FP8FlowMoE(experts, HIDDEN, FFN, TOPK, device="cuda")
-    fwd_bwd = step_fn(block, x, ids, probs, dy)
-    for _ in range(2):
+    rows = []
+    for name, kw in (("fp8_flow", {}), ("fp8_flow_graph_auto", OTHER_BLOCKS["fp8_flow_graph_auto"])):
+        torch.cuda.empty_cache()
+        torch.manual_seed(0)
+        block = FP8FlowMoE(experts, HIDDEN, FFN, TOPK, device="cuda", **kw)
+        fwd_bwd = step_fn(block, x, ids, probs, dy)
         fwd_bwd()
+        torch.cuda.synchronize()
+        graph = utils.cuda_graph(fwd_bwd) if kw else None
+        rows += [dict(experts=experts, block=name, **r) for r in kernel_times(graph.replay if graph else fwd_bwd)]
+        del block, graph
+    return rows
+
+
+def kernel_times(step) -> list[dict]:
+    """``step``'s GPU time by category (``CATEGORIES``), then its 25 largest kernels (5 steps averaged)."""
+    for _ in range(2):
+        step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            fwd_bwd()
+            step()
         torch.cuda.synchronize()
     per_kernel = collections.Counter()
     for e in prof.events():
@@ -149,23 +166,37 @@ def profile(experts: int) -> list[dict]:
         low = name.lower()
         cats[next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")] += ms
     rows = [dict(what=f"category: {c}", ms=ms, share=ms / total) for c, ms in cats.most_common()]
-    rows += [dict(what=name[:90], ms=ms, share=ms / total) for name, ms in per_kernel.most_common(25)]
-    return [dict(experts=experts, **r) for r in rows]
+    return rows + [dict(what=name[:90], ms=ms, share=ms / total) for name, ms in per_kernel.most_common(25)]
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 64, 128])
+    parser.add_argument("--experts", type=int, nargs="*", default=[8, 32, 64, 128])
     parser.add_argument("--suffix", default="",
                         help="appended to the results' name (e.g. _h200: bench_moe_layer_h200 for a second GPU)")
     parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="EXPERTS",
-                        help="also profile the FP8-Flow step at these local expert counts (e.g. 64 128)")
+                        help="also profile the FP8-Flow step and its CUDA-graph replay at these local expert "
+                             "counts (e.g. 64 128)")
     args = parser.parse_args()
     env = utils.environment()
     ceilings = {"copy_bandwidth_tbps (1 GiB, read+write)": utils.copy_bandwidth_tbps()}
     rows = [r for e in args.experts for r in sweep_point(e)]
+    if rows:
+        write_sweep(args.suffix, env, ceilings, rows)
+    if args.profile:
+        prof = [r for e in args.profile for r in profile(e)]
+        path = utils.write_results("bench_moe_layer_profile", "FP8-Flow block step: GPU time by kernel", env,
+                                   ceilings, prof, ["experts", "block", "what", "ms", "share"],
+                                   notes="torch.profiler CUDA kernel time per step (5 steps averaged): the eager "
+                                         "fp8_flow step and the fp8_flow_graph_auto replay; the categories "
+                                         "first, then the 25 largest kernels.")
+        print(path.read_text())
+
+
+def write_sweep(suffix, env, ceilings, rows):
+    """``bench_moe_layer{suffix}``'s JSON, markdown and PNG from the sweep's rows."""
     path = utils.write_results(
-        f"bench_moe_layer{args.suffix}", "MoE expert block forward+backward, EP=1, per rank", env, ceilings, rows,
+        f"bench_moe_layer{suffix}", "MoE expert block forward+backward, EP=1, per rank", env, ceilings, rows,
         ["experts", "rows_per_expert", "block", "ms", "speedup_over_bf16_grouped_mm", "peak_gib",
          "peak_vs_bf16_grouped_mm", "peak_uncached_gib", "saved_gib"],
         notes=(f"{TOKENS} tokens, hidden {HIDDEN}, ffn {FFN}, top-{TOPK}, uniform random router. FP8 blocks pad "
@@ -178,13 +209,6 @@ def main():
                "fp8_flow_graph*: ms of CUDA-graph replays, memory of the same step run eagerly."))
     print(path.read_text())
     plot(rows, path.with_suffix(".png"))
-    if args.profile:
-        prof = [r for e in args.profile for r in profile(e)]
-        path = utils.write_results("bench_moe_layer_profile", "FP8-Flow block step: GPU time by kernel", env,
-                                   ceilings, prof, ["experts", "what", "ms", "share"],
-                                   notes="torch.profiler CUDA kernel time per step (5 steps averaged); the "
-                                         "categories first, then the 25 largest kernels.")
-        print(path.read_text())
 
 
 def plot(rows, path):
