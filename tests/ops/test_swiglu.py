@@ -174,7 +174,7 @@ def test_gpu_permute_activation_unpermute_has_no_host_sync():
 
     def step():
         out, pprobs, rmap, pad, _ = moe_permute_and_pad_with_probs(
-            quantize_blockwise(x), probs, rm, None, 128, tokens * 8)
+            quantize_blockwise(x), probs, rm, rm.sum(0), 128, tokens * 8)  # counts on the device: no sync
         h = weighted_swiglu_quant(out.dequantize(torch.bfloat16) @ w, pprobs, HYBRID, quantize_grad=True)
         y = moe_unpermute(h.dequantize(torch.bfloat16), rmap, probs, pad_offsets=pad)
         y.float().sum().backward()
