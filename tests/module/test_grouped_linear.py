@@ -364,9 +364,8 @@ def test_single_grouped_weight_checkpoints_load_both_ways():
          "rowwise 1x128 with power-of-two scales"),
     ],
     ids=["features", "num-gemms", "params-dtype", "in-features", "sum", "negative", "dtype", "groups", "groups-4",
-         "recipe-str",
-         "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad", "single-fuse-without-main-grad", "single-not-bool", "device", "weight-role-input",
-         "fp32-scales-input"],
+         "recipe-str", "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad",
+         "single-fuse-without-main-grad", "single-not-bool", "device", "weight-role-input", "fp32-scales-input"],
 )
 def test_bad_input_is_rejected_clearly(make, call, exc, match):
     with pytest.raises(exc, match=match):

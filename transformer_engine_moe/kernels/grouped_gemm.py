@@ -163,8 +163,8 @@ def _zero_weightless_rows_kernel(c_ptr, sizes_ptr, num_groups, num_weights, M, N
     if tl.program_id(0) * 128 + 128 > first:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         ok = ((rows >= first) & (rows < M))[:, None] & (cols < N)[None, :]
-        tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], tl.zeros((128, BLOCK_N), c_ptr.dtype.element_ty),
-                 mask=ok)
+        zeros = tl.zeros((128, BLOCK_N), c_ptr.dtype.element_ty)
+        tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], zeros, mask=ok)
 
 
 def zero_weightless_rows(c, m_splits, num_weights):

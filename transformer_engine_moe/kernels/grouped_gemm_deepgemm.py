@@ -90,7 +90,7 @@ def supports_wgrad(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits) -> bool
 
 def _m_indices(m_splits, m: int, device, num_weights: int) -> torch.Tensor:
     """int32 ``[M]``: the group of each row (DeepGEMM's ``m_indices``), -1 for the rows of a trailing
-    weightless group (``g >= num_weights``: DeepGEMM skips their tiles), without a host sync."""
+    weightless group (``g >= num_weights``: DeepGEMM skips those tiles' MMAs), without a host sync."""
     if isinstance(m_splits, torch.Tensor):
         check_on_device((m_splits % alignment() == 0).all(),
                         f"deepgemm: every group's rows must be a multiple of {alignment()}")
@@ -127,6 +127,7 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     if groups:
         blocks = rows // 128  # whole 128-row column blocks (every group aligned)
         _module().k_grouped_fp8_gemm_nt_contiguous(
-            (a_t.view(-1)[:rows * n], a_t_scale_inv[:blocks].t()), (b_t.view(-1)[:rows * k], b_t_scale_inv[:blocks].t()),
-            d, list(m_splits), m_splits_tensor(m_splits, a_t.device, torch.int32), c=d)
+            (a_t.view(-1)[:rows * n], a_t_scale_inv[:blocks].t()),
+            (b_t.view(-1)[:rows * k], b_t_scale_inv[:blocks].t()), d, list(m_splits),
+            m_splits_tensor(m_splits, a_t.device, torch.int32), c=d)
     return d if out is not None or out_dtype == torch.float32 else d.to(out_dtype)
