@@ -156,9 +156,7 @@ def _zero_weightless_rows_kernel(c_ptr, sizes_ptr, num_groups, num_weights, M, N
                                  MAX_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Zero ``[128, BLOCK_N]`` of ``C [M, N]`` where its rows lie after the first ``num_weights`` groups;
     programs wholly before them return at once."""
-    g = tl.arange(0, MAX_GROUPS)
-    sizes = tl.load(sizes_ptr + g, mask=g < num_groups, other=0)
-    first = tl.sum(tl.where(g < num_weights, sizes, 0), axis=0)
+    first, _, _ = group_extent(num_weights, sizes_ptr, num_groups, MAX_GROUPS)
     rows = tl.program_id(0) * 128 + tl.arange(0, 128)
     if tl.program_id(0) * 128 + 128 > first:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -192,9 +190,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
         return c.zero_()
     block_n, group_m, num_warps, num_stages = config or GEMM_CONFIG
     num_weights = b.shape[0]
-    # a trailing weightless group: the kernel sees the weights' groups only (its blocks find no group)
-    groups = m_splits if m_splits is None or len(m_splits) <= num_weights else m_splits[:num_weights]
-    sizes, g, grouped, max_groups = group_sizes_arg(groups, a.device)
+    sizes, g, grouped, max_groups = group_sizes_arg(m_splits, a.device)
     # B_g[r, n] = b[g, n, r]
     strides = (b.stride(0), b.stride(2), b.stride(1), b_scale_inv.stride(0), b_scale_inv.stride(2),
                b_scale_inv.stride(1))
@@ -202,7 +198,8 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
         raise ValueError(f"N={n} must be a multiple of BLOCK_N={block_n}, which must divide 128")
     grid = (num_column_blocks(m, m_splits) * (n // block_n),)
     _grouped_gemm_kernel[grid](
-        a, a_scale_inv, b, b_scale_inv, c, sizes, g, m, n, *strides,
+        # a trailing weightless group is left out: the kernel sees the weights' groups only (its blocks find none)
+        a, a_scale_inv, b, b_scale_inv, c, sizes, min(g, num_weights), m, n, *strides,
         R=r, GROUPED=grouped, MAX_GROUPS=max_groups, SOFTWARE_CAST=use_software_cast(a),
         BLOCK_N=block_n, GROUP_M=group_m, NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
     )

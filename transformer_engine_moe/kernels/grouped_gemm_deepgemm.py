@@ -95,8 +95,7 @@ def _m_indices(m_splits, m: int, device, num_weights: int) -> torch.Tensor:
         check_on_device((m_splits % alignment() == 0).all(),
                         f"deepgemm: every group's rows must be a multiple of {alignment()}")
     groups = row_groups(m_splits, m, device, torch.int32)
-    groups_of_splits = len(m_splits) if isinstance(m_splits, list) else m_splits.numel()
-    return groups if groups_of_splits <= num_weights else torch.where(groups < num_weights, groups, -1)
+    return groups if len(m_splits) <= num_weights else torch.where(groups < num_weights, groups, -1)
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
