@@ -229,7 +229,7 @@ class FP8FlowMoELayer(MoELayer):
         ``routing_map [T, E]`` -> ``(tokens, topk_probs)``: ``tokens [T, H]`` 1x128 FP8
         (``FP8FlowMoE.quantize`` of the BF16 tokens), ``topk_probs [T, k]`` float32. The top-k ids and the
         input's shape and dtype stay with the layer."""
-        missing = [m for m in ("quantize", "dispatch", "experts", "combine") if not hasattr(self.experts, m)]
+        missing = [m for m in ("quantize", "dispatch", "routed_experts", "combine") if not hasattr(self.experts, m)]
         if missing:
             raise TypeError(f"FP8FlowMoELayer's phase methods need the block's phases; "
                             f"{type(self.experts).__name__} lacks {missing} (forward needs none of them)")
@@ -255,14 +255,15 @@ class FP8FlowMoELayer(MoELayer):
 
     def routed_experts_compute(self, hidden_states, probs: torch.Tensor):
         """The received ``(tokens [R, H], topk_probs [R, k])`` -> ``(output [R, H] BF16, None)``:
-        ``FP8FlowMoE.experts`` with the FP8 weight cache, inside the ``moe_expert`` recompute when set."""
-        state = self._state("routed_experts_compute")
-        experts = _experts_phase(self.experts, state.tokens_per_expert, self._take_first_microbatch())
-        if self.experts.recompute == MOE_EXPERT:
-            output = torch.utils.checkpoint.checkpoint(experts, hidden_states, state.topk_ids, probs,
-                                                       use_reentrant=False)
-        else:
-            output = experts(hidden_states, state.topk_ids, probs)
+        ``FP8FlowMoE.routed_experts`` (``experts`` with the FP8 weight cache, inside the ``moe_expert``
+        recompute when set)."""
+        state, block, flag = self._state("routed_experts_compute"), self.experts, self._take_first_microbatch()
+        try:  # the weights' work as forward_topk's dispatch queues it (W alone for moe_expert's first pass)
+            if flag is not False:
+                block.prefetch_fp8_weights(flag)
+            output = block.routed_experts(hidden_states, state.topk_ids, probs, state.tokens_per_expert, flag)
+        finally:
+            block.drop_prefetched_fp8_weights()
         return output, None
 
     def combine(self, output: torch.Tensor) -> torch.Tensor:
@@ -339,18 +340,6 @@ class _PhaseState:
     topk_ids: torch.Tensor
     tokens_per_expert: Optional[list] = None
     handle: object = None
-
-
-def _experts_phase(block, tokens_per_expert: list, first: Optional[bool]):
-    """``block.experts`` as a function of tensors ``(hidden, topk_ids, topk_probs)``: the first call gets
-    ``first`` (the FP8 weight-cache flag), later ones (the ``moe_expert`` rerun) reuse the cached weights."""
-
-    def experts(hidden, topk_ids, topk_probs):
-        nonlocal first
-        flag, first = first, None if first is None else False
-        return block.experts(hidden, topk_ids, topk_probs, tokens_per_expert, flag)
-
-    return experts
 
 
 def _drop_extra_states(state_dict, prefix, *args) -> None:

@@ -72,8 +72,7 @@ def _chain(device, backend, shape):
 
 
 CHAIN_OPS = {"quantize_grouped_weight", "quantize_1x128", "grouped_gemm", "scaling_aware_transpose",
-             "weighted_swiglu_quant", "dequantize_1x128", "weighted_swiglu_backward", "transpose_128x128",
-             "grouped_gemm_wgrad"}
+             "weighted_swiglu_quant", "dequantize_1x128", "weighted_swiglu_backward", "grouped_gemm_wgrad"}
 
 
 @pytest.mark.parametrize("backend,device,kernel_ops", [

@@ -186,7 +186,7 @@ def test_phases_need_the_order_and_the_blocks_phases(world_of_one):
     with pytest.raises(RuntimeError, match="FP8FlowMoELayer.dispatch: run the phases in Megatron's order"):
         layer.dispatch(torch.zeros(T, 128), torch.zeros(T, 2))
     layer.experts = torch.nn.Linear(1, 1)
-    with pytest.raises(TypeError, match=r"Linear lacks \['quantize', 'dispatch', 'experts', 'combine'\]"):
+    with pytest.raises(TypeError, match=r"Linear lacks \['quantize', 'dispatch', 'routed_experts', 'combine'\]"):
         layer.preprocess(torch.zeros(T, 128), torch.zeros(T, E), torch.zeros(T, E, dtype=torch.bool))
 
 

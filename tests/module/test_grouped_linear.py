@@ -204,10 +204,84 @@ def test_fp8_weight_cache_follows_is_first_microbatch():
     assert torch.equal(y1[:128], y0[:128]) and torch.equal(y1[128:], 2 * y0[128:])
     gl.weight1.data.mul_(2)
     assert torch.equal(gl(x, splits, is_first_microbatch=False)[128:], 4 * y0[128:])  # None kept no cache
-    assert gl.fp8_weights(False) is gl.fp8_weights(False)
+    assert gl.fp8_weights(False)[1] is gl.fp8_weights(False)[1]
     assert torch.equal(gl(x, splits, is_first_microbatch=True)[128:], 4 * y0[128:])
     with pytest.raises(TypeError, match="is_first_microbatch must be None or a bool, got 1"):
         gl(x, splits, is_first_microbatch=1)
+
+
+@pytest.mark.parametrize("transpose", [True, False], ids=["W-and-W^T", "W-alone"])
+@pytest.mark.parametrize("flag", [None, True, False])
+def test_fp8_weights_one_copy_is_kept_and_cached(monkeypatch, flag, transpose):
+    """One launch writes W and W^T: the forward drops W, backward takes W^T as is and the cache holds W^T alone (a
+    reused cache gives W by one byte transpose in the forward). ``transpose=False`` (recompute's first pass): W
+    alone, kept and cached, transposed in backward. Either way W and W^T are bitwise those of an uncached
+    quantization, and outputs and gradients bitwise those of the uncached module."""
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
+
+    splits = [128, 0, 128]
+    gl, x = setup(splits)
+    transposes = []
+    real = grouped_linear.transpose_grouped_weight
+    monkeypatch.setattr(grouped_linear, "transpose_grouped_weight",
+                        lambda *a, **kw: transposes.append("call") or real(*a, **kw))
+    w0, w0_t = gl.fp8_weights(None)
+    gl.fp8_weights(True, transpose)
+    w, w_t = gl.fp8_weights(flag, transpose)
+    assert (w_t is None) is (not transpose)
+    for a, b in ((w, w0), (w_t, w0_t)) if w_t is not None else ((w, w0),):
+        assert torch.equal(a.rowwise_data.view(torch.uint8), b.rowwise_data.view(torch.uint8))
+        assert torch.equal(a.rowwise_scale_inv, b.rowwise_scale_inv)
+    kept = w_t if transpose else w  # what the cache holds, and backward
+    assert (flag is None) is (gl._cache is None)
+    assert flag is None or gl._cache[1 if transpose else 0] is kept and gl._cache[0 if transpose else 1] is None
+    assert len(transposes) == (flag is False and transpose)
+
+    def run(f):
+        transposes.clear()
+        xi = x.clone().requires_grad_()
+        y = gl(xi, splits, is_first_microbatch=f)
+        in_forward, kept = len(transposes), y.grad_fn.weight_bwd
+        y.float().square().sum().backward()
+        grads = [wi.grad.clone() for wi in gl.weights]
+        gl.zero_grad(set_to_none=True)
+        return y, xi.grad, grads, kept, (in_forward, len(transposes) - in_forward)
+
+    if not transpose:
+        gl.prefetch_fp8_weights(flag, transpose=False)
+    y, dx, dw, kept, counts = run(flag)
+    assert counts == ((flag is False and transpose), not transpose)  # (in forward, in backward)
+    assert kept.shape == ((3, 256, 128) if transpose else (3, 128, 256))
+    assert flag is None or kept is gl._cache[1 if transpose else 0]
+    y0, dx0, dw0, _, counts = run(None)
+    assert counts == (0, 0)
+    assert torch.equal(y, y0) and torch.equal(dx, dx0) and all(torch.equal(a, b) for a, b in zip(dw, dw0))
+
+
+def test_prefetched_fp8_weights_are_taken_once_by_the_matching_forward():
+    """``prefetch_fp8_weights``: the next forward with the same flag uses those weights (quantized before the
+    weights changed here) and nothing later does; a forward with another flag or after
+    ``drop_prefetched_fp8_weights`` quantizes the current weights. Under no_grad without a cache no W^T is
+    written."""
+    splits = [128, 128]
+    gl, x = setup(splits)
+    y0 = gl(x, splits)
+    for flag, other in ((None, True), (True, None)):
+        gl.prefetch_fp8_weights(flag)
+        gl.weight1.data.mul_(2)
+        assert torch.equal(gl(x, splits, is_first_microbatch=flag), y0)
+        assert torch.equal(gl(x, splits, is_first_microbatch=flag)[128:], 2 * y0[128:])
+        gl.prefetch_fp8_weights(other)
+        gl.weight1.data.mul_(0.5)
+        assert torch.equal(gl(x, splits, is_first_microbatch=flag), y0)
+        gl.prefetch_fp8_weights(flag)
+        gl.drop_prefetched_fp8_weights()
+        gl.weight1.data.mul_(2)
+        assert torch.equal(gl(x, splits, is_first_microbatch=flag)[128:], 2 * y0[128:])
+        gl.weight1.data.mul_(0.5)
+    with torch.no_grad():
+        assert gl.fp8_weights(None)[1] is None and torch.equal(gl(x, splits), y0)
+        assert gl.fp8_weights(True)[1] is not None
 
 
 def test_checkpoint_gives_same_gradients():
@@ -222,14 +296,14 @@ def test_checkpoint_gives_same_gradients():
 
 
 def test_fp8_weights_are_dropped_after_dgrad_and_a_second_backward_says_so():
-    """Backward frees its FP8 W (and the W^T it makes) before the wgrad output exists (peak memory), as TE
+    """Backward frees its FP8 W^T before the wgrad output exists (peak memory), as TE
     frees its FP8 tensors; a second backward through the same graph is refused with a clear error."""
     splits = [128, 128]
     gl, x = setup(splits)
     y = gl(x.requires_grad_(), splits)
     fn = y.grad_fn
     y.sum().backward(retain_graph=True)
-    assert x.grad is not None and fn.weight_fp8 is None
+    assert x.grad is not None and fn.weight_bwd is None
     with pytest.raises(RuntimeError, match="retain_graph=True a second time is not supported"):
         y.sum().backward()
 
@@ -259,9 +333,9 @@ def test_load_state_dict_drops_the_fp8_weight_cache():
     state = {k: 2 * v for k, v in gl.state_dict().items()}
     gl.load_state_dict(state)
     assert torch.equal(gl(x, splits, is_first_microbatch=False), gl(x, splits))
-    cached = gl.fp8_weights(True)
+    cached = gl.fp8_weights(True)[1]
     gl.reset_fp8_weight_cache()
-    assert gl.fp8_weights(False) is not cached
+    assert gl.fp8_weights(False)[1] is not cached
 
 
 def test_parameter_names_follow_transformer_engine():

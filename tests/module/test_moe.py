@@ -102,37 +102,52 @@ def test_single_grouped_weight_block_is_bitwise_the_per_expert_block(recompute):
         assert all(torch.equal(u, v) for u, v in zip(us, vs))
 
 
-def test_moe_expert_recompute_reuses_the_cached_fp8_weights(monkeypatch):
-    """TE's ``is_first_microbatch``: True quantizes fc1's and fc2's weights once and the backward rerun reuses
-    them; False quantizes nothing; None quantizes in the forward and again in the rerun."""
+@pytest.mark.parametrize("recompute", [None, "moe_expert"])
+def test_weight_work_per_step_follows_is_first_microbatch_and_recompute(monkeypatch, recompute):
+    """TE's ``is_first_microbatch``: True quantizes fc1's and fc2's weights once, False quantizes nothing, None
+    quantizes every call. Without recompute each quantization also writes W^T, which backward takes as is (a
+    reused cache transposes W^T into W in the forward). Under ``moe_expert`` backward takes what the first pass
+    kept: with a cache W alone, which the rerun reads (backward transposes it); with None W and W^T, and the
+    rerun quantizes W alone."""
     import transformer_engine_moe.module.grouped_linear as grouped_linear
 
-    fp8, _ = pair(recompute="moe_expert")
-    quantized = []
-    real = grouped_linear.quantize_grouped_weight
+    fp8, _ = pair(recompute=recompute)
+    calls = []
+    real_q, real_t = grouped_linear.quantize_grouped_weight, grouped_linear.transpose_grouped_weight
     monkeypatch.setattr(grouped_linear, "quantize_grouped_weight",
-                        lambda ws, *a, **kw: quantized.append(len(ws)) or real(ws, *a, **kw))
+                        lambda ws, *a, **kw: calls.append("W+W^T" if kw["transpose"] else "W") or real_q(ws, *a, **kw))
+    monkeypatch.setattr(grouped_linear, "transpose_grouped_weight", lambda *a, **kw: calls.append("T") or real_t(*a, **kw))
     x, ids, probs = batch(3)
-    fwd_bwd = lambda **kw: fp8.forward_topk(x.clone().requires_grad_(), ids, probs, **kw).float().sum().backward()
-    fwd_bwd(is_first_microbatch=True)
-    assert len(quantized) == 2
-    fwd_bwd(is_first_microbatch=False)
-    assert len(quantized) == 2
-    fwd_bwd()
-    assert len(quantized) == 6
+
+    def fwd_bwd(**kw):
+        calls.clear()
+        fp8.forward_topk(x.clone().requires_grad_(), ids, probs, **kw).float().sum().backward()
+        return sorted(calls)
+
+    if recompute is None:
+        assert fwd_bwd(is_first_microbatch=True) == ["W+W^T"] * 2
+        assert fwd_bwd(is_first_microbatch=False) == ["T"] * 2
+        assert fwd_bwd() == ["W+W^T"] * 2
+    else:
+        assert fwd_bwd(is_first_microbatch=True) == ["T"] * 2 + ["W"] * 2
+        assert fwd_bwd(is_first_microbatch=False) == ["T"] * 2
+        assert fwd_bwd() == ["W"] * 2 + ["W+W^T"] * 2  # (sorted: the first pass is W+W^T)
 
 
+@pytest.mark.parametrize("flag", [True, None])
 @pytest.mark.parametrize("dispatcher", ["local", "local-device-splits"])
-def test_first_microbatch_weights_are_quantized_during_dispatch(monkeypatch, dispatcher):
-    """``is_first_microbatch=True``: both weights are quantized inside dispatch (its ``before_host_wait``, while the
-    host waits for the counts), once; ``experts`` then reads the caches; output and gradients bit for bit those
-    of a block that quantizes inside fc1 and fc2 (``None``)."""
+def test_weights_are_quantized_during_dispatch(monkeypatch, dispatcher, flag):
+    """``is_first_microbatch`` True or None: both weights are quantized inside dispatch (its ``before_host_wait``,
+    while the host waits for the counts), once; ``experts`` takes them; output and gradients bit for bit those
+    of a block whose fc1 and fc2 quantize their own weights (a direct ``experts`` call)."""
     import transformer_engine_moe.module.grouped_linear as grouped_linear
 
     torch.manual_seed(0)
     block = FP8FlowMoE(E, H, FFN, K, align_size=128, device_splits=dispatcher == "local-device-splits")
     x, ids, probs = batch(5)
+    monkeypatch.setattr(block, "prefetch_fp8_weights", lambda *a: None)
     reference = step(block, x, ids, probs)
+    monkeypatch.undo()
     quantized, seen = [], []
     real_quantize, real_dispatch, real_experts = grouped_linear.quantize_grouped_weight, block.dispatch, block.experts
     monkeypatch.setattr(grouped_linear, "quantize_grouped_weight",
@@ -140,13 +155,28 @@ def test_first_microbatch_weights_are_quantized_during_dispatch(monkeypatch, dis
                         or real_quantize(ws, *a, **kw))
     monkeypatch.setattr(block, "dispatch", lambda *a: seen.append("dispatch") or real_dispatch(*a))
     monkeypatch.setattr(block, "experts", lambda *a: seen.append(a[-1]) or real_experts(*a))
-    monkeypatch.setattr(block, "forward_topk", lambda *a, first=block.forward_topk: first(*a, is_first_microbatch=True))
+    monkeypatch.setattr(block, "forward_topk", lambda *a, first=block.forward_topk: first(*a, is_first_microbatch=flag))
     first = step(block, x, ids, probs)
-    assert quantized == ["dispatch", "dispatch"] and seen == ["dispatch", False]
+    assert quantized == ["dispatch", "dispatch"] and seen == ["dispatch", flag]
     for u, v in zip(reference[:3], first[:3]):
         assert torch.equal(u, v)
     for us, vs in zip(reference[3:5], first[3:5]):
         assert all(torch.equal(u, v) for u, v in zip(us, vs))
+
+
+def test_weights_prefetched_by_a_forward_that_raised_are_dropped(monkeypatch):
+    """A forward that fails after dispatch (weights prefetched) leaves nothing behind: a later forward of the
+    linears quantizes the weights as they are then."""
+    block, _ = pair()
+    x, ids, probs = batch(7)
+    monkeypatch.setattr(block, "experts", lambda *a: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        block.forward_topk(x, ids, probs)
+    h = torch.randn(128, H).bfloat16()
+    with torch.no_grad():
+        before = block.linear_fc1(h, [128, 0, 0, 0])
+        block.linear_fc1.weight0.mul_(2)
+        assert torch.equal(block.linear_fc1(h, [128, 0, 0, 0]), 2 * before)
 
 
 @pytest.mark.parametrize("case", ["one-expert", "no-tokens"])

@@ -6,16 +6,16 @@ Shaped after TransformerEngine's ``GroupedLinear`` (``weight0..weight{G-1}``, ea
 the ``Float8BlockwiseQTensor`` flowing from permute or from SwiGLU+quant: it is
 used as is, never dequantized. Per step:
 
-- forward: weights quantized 128x128 (cached across micro-batches by TE's
-  ``is_first_microbatch`` rule, ``fp8_weights``); ``out = grouped_gemm(inp, W)`` in
-  BF16 (or the input's dtype). Kept for backward: the FP8 weights W and, when a
-  weight gradient is wanted, only the input's scaling-aware transpose (expert-major
-  128x1, what wgrad reads; the rowwise input is not kept, as TE keeps only the
-  columnwise copy).
+- forward: weights quantized 128x128 into W and W^T by one launch (W^T cached across
+  micro-batches by TE's ``is_first_microbatch`` rule, ``fp8_weights``); ``out =
+  grouped_gemm(inp, W)`` in BF16 (or the input's dtype), W dropped after it. Kept for
+  backward: W^T (dgrad's operand: one FP8 copy of the weights lives across the step;
+  W alone in recompute's first pass, ``fp8_weights``) and, when a weight gradient is
+  wanted, only the input's scaling-aware transpose (expert-major 128x1, what wgrad
+  reads; the rowwise input is not kept, as TE keeps only the columnwise copy).
 - backward: the output gradient is quantized 1x128 (E4M3, or E5M2 for the HYBRID
-  recipe); dgrad ``dX = dY @ W_g`` through W^T, a byte transpose of W made here and
-  dropped with W right after the dgrad GEMM (only one FP8 copy of the weights lives
-  across the step, W^T only during dgrad); wgrad ``dW_g = dY_g^T X_g`` from the
+  recipe); dgrad ``dX = dY @ W_g`` through W^T (a byte transpose of W where W was
+  kept), dropped right after the dgrad GEMM; wgrad ``dW_g = dY_g^T X_g`` from the
   scaling-aware transpose of dY and the kept transpose of the input. With
   ``fuse_wgrad_accumulation``, wgrad is added into each weight's ``main_grad``
   (Megatron) and ``.grad`` gets a placeholder, as in TE: Megatron's DDP hooks fire
@@ -94,19 +94,21 @@ def _placeholder_wgrad(weight: torch.Tensor) -> torch.Tensor:
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, m_splits, module, weight_fp8, bias, *weights):
+    def forward(ctx, inp, m_splits, module, weight_fp8, weight_t, bias, *weights):
         # no autograd Function inside this one (torch.compile could not trace it): quantize, transpose as raw ops
         x = inp if isinstance(inp, Float8BlockwiseQTensor) else quantize_in_function(
             inp.contiguous(), module.quantizers[Role.INPUT].args)
         out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
         if bias is not None:
             out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
-        ctx.wgrad = any(ctx.needs_input_grad[5:]) or module.fuse_wgrad_accumulation
+        ctx.wgrad = any(ctx.needs_input_grad[6:]) or module.fuse_wgrad_accumulation
         ctx.impl = implementation("auto", x, "GroupedLinear")  # the scaling-aware transposes of x and dy
         if ctx.wgrad:  # only wgrad reads the input: keep its columnwise copy alone (as TE), FP8 only
             ctx.save_for_backward(*ctx.impl.scaling_aware_transpose(x.rowwise_data, x.rowwise_scale_inv, m_splits))
             ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.force_pow_2_scales)
-        ctx.weight_fp8 = weight_fp8  # not saved_tensors: the moe_expert rerun reuses it, never re-saves it
+        # not saved_tensors (a cached copy is reused, never re-saved): W^T, or W where no W^T was made
+        ctx.weight_bwd = weight_fp8 if weight_t is None else weight_t
+        ctx.transpose_in_backward = weight_t is None
         ctx.m_splits, ctx.module, ctx.weights = m_splits, module, weights
         ctx.has_bias = bias is not None
         return out
@@ -114,7 +116,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         module, m_splits = ctx.module, ctx.m_splits
-        weight, ctx.weight_fp8 = ctx.weight_fp8, None
+        weight, ctx.weight_bwd = ctx.weight_bwd, None
         if weight is None:
             raise RuntimeError("GroupedLinear's backward ran twice through one graph: it drops its FP8 weights "
                                "after the dgrad GEMM (as TransformerEngine frees its FP8 tensors in backward), so "
@@ -122,7 +124,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dy = quantize_in_function(grad_out.contiguous(), module.quantizers[Role.GRAD].args)
         dgrad = None
         if ctx.needs_input_grad[0]:
-            weight_t = transpose_grouped_weight(weight, backend=module.weight_backend)
+            weight_t = transpose_grouped_weight(weight, backend=module.weight_backend) \
+                if ctx.transpose_in_backward else weight
             dgrad = grouped_gemm(dy, weight_t, m_splits, out_dtype=grad_out.dtype, backend=module.backend)
             del weight_t
         del weight  # the wgrad output below need not coexist with the FP8 weights (peak memory)
@@ -158,7 +161,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             rows = row_groups(m_splits, grad_out.shape[0], grad_out.device)
             dbias = torch.zeros((module.num_gemms + 1, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
             dbias = dbias.index_add_(0, rows, grad_out.float())[:-1].to(module.bias_dtype)  # row G: weightless
-        return (dgrad, None, None, None, dbias, *dweights)
+        return (dgrad, None, None, None, None, dbias, *dweights)
 
 
 class GroupedLinear(nn.Module):
@@ -227,7 +230,7 @@ class GroupedLinear(nn.Module):
                 self.register_parameter(f"bias{i}", nn.Parameter(
                     torch.zeros(out_features, dtype=params_dtype, device=device)))
         self.use_bias = bias
-        self._cache = None
+        self._cache = self._prefetched = None
 
     @property
     def weight_backend(self) -> str:
@@ -247,10 +250,17 @@ class GroupedLinear(nn.Module):
         """The weight parameters autograd sees: ``[weight]`` when single, else ``weight0..``."""
         return [w for _, w in self._weight_names()]
 
-    def fp8_weights(self, is_first_microbatch: Optional[bool] = None) -> Float8BlockwiseQTensor:
-        """``W [G, N, K]`` 128x128 FP8 (``ops.quantize_grouped_weight``: one launch quantizes the G
-        weights in place). Only W is cached: backward makes W^T from it (a byte transpose, about 3%
-        of a step) and frees it after dgrad, so the cache costs one byte per parameter, not two.
+    def fp8_weights(self, is_first_microbatch: Optional[bool] = None, transpose: bool = True
+                    ) -> tuple[Float8BlockwiseQTensor, Optional[Float8BlockwiseQTensor]]:
+        """``(W [G, N, K], W^T [G, K, N])`` 128x128 FP8: the forward GEMM's and the dgrad GEMM's K-major
+        operands (``ops.quantize_grouped_weight``: one launch quantizes the G weights in place and writes
+        both). The forward drops W after its GEMM and backward keeps W^T as is; a cache holds W^T alone,
+        and its reuse gives W by a byte transpose (``ops.transpose_grouped_weight``) in the forward. One
+        FP8 copy of the weights lives across a step, cached or not.
+
+        ``transpose=False`` writes W alone (W^T is None) for a forward whose saved state is dropped and
+        rerun (``moe_expert`` recompute's first pass): a cache then holds W, which the rerun reads as is,
+        and backward makes W^T. W^T is also left out without a cache and without autograd (inference).
 
         TransformerEngine's ``is_first_microbatch`` rule: None quantizes the current weights and
         keeps nothing; True quantizes them and caches the result; False reuses the cache (the
@@ -259,19 +269,34 @@ class GroupedLinear(nn.Module):
         knows when the cache is stale.
         """
         if is_first_microbatch is False and self._cache is not None:
-            return self._cache
+            w, w_t = self._cache
+            return (transpose_grouped_weight(w_t, backend=self.weight_backend) if w is None else w), w_t
         self._cache = None  # not alive next to its replacement
         q = self.quantizers[Role.WEIGHT]
+        transpose = transpose and (is_first_microbatch is not None or torch.is_grad_enabled())
         with torch.no_grad():
-            weight, _ = quantize_grouped_weight(self.weights, q.dtype, q.force_pow_2_scales, q.amax_epsilon,
-                                                transpose=False, backend=self.weight_backend)
-        self._cache = None if is_first_microbatch is None else weight
-        return weight
+            w, w_t = quantize_grouped_weight(self.weights, q.dtype, q.force_pow_2_scales, q.amax_epsilon,
+                                             transpose=transpose, backend=self.weight_backend)
+        if is_first_microbatch is not None:
+            self._cache = (None, w_t) if transpose else (w, None)
+        return w, w_t
+
+    def prefetch_fp8_weights(self, is_first_microbatch: Optional[bool] = None, transpose: bool = True) -> None:
+        """Make now the FP8 weights that the next ``forward`` with the same ``is_first_microbatch`` takes
+        (``fp8_weights(is_first_microbatch, transpose)``), e.g. while the host waits for a dispatch: that
+        forward quantizes nothing. They are for that one call, and the weights must not change before it;
+        ``drop_prefetched_fp8_weights`` discards them if it never comes (``FP8FlowMoE`` does, whatever its
+        forward raises)."""
+        self._prefetched = (is_first_microbatch, self.fp8_weights(is_first_microbatch, transpose))
+
+    def drop_prefetched_fp8_weights(self) -> None:
+        """Discard FP8 weights from ``prefetch_fp8_weights`` that no forward took."""
+        self._prefetched = None
 
     def reset_fp8_weight_cache(self) -> None:
-        """Drop the FP8 weights cached by ``is_first_microbatch=True``; the next call quantizes the
-        current weights whatever its flag. ``load_state_dict`` calls it."""
-        self._cache = None
+        """Drop the FP8 weights cached by ``is_first_microbatch=True`` (and any prefetched); the next call
+        quantizes the current weights whatever its flag. ``load_state_dict`` calls it."""
+        self._cache = self._prefetched = None
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self.reset_fp8_weight_cache()
@@ -311,9 +336,12 @@ class GroupedLinear(nn.Module):
                 raise ValueError(f"fuse_wgrad_accumulation=True adds weight gradients into each weight's main_grad (a "
                                  f"float32 buffer shaped like it, as Megatron's DDP allocates); {missing[0]} "
                                  f"has none")
-        w = self.fp8_weights(is_first_microbatch)
+        prefetched, self._prefetched = self._prefetched, None
+        w, w_t = prefetched[1] if prefetched and prefetched[0] is is_first_microbatch else \
+            self.fp8_weights(is_first_microbatch)
+        del prefetched
         bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
-        return _GroupedLinearFunction.apply(inp, m_splits, self, w, bias, *params)
+        return _GroupedLinearFunction.apply(inp, m_splits, self, w, w_t, bias, *params)
 
     def _weight_names(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` of each weight parameter (``weight_params``)."""

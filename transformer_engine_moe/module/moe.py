@@ -19,10 +19,10 @@ backward and reruns ``experts`` there; nothing is re-dispatched. A forward calle
 the rerun quantizes the weights again.
 
 Host syncs: by default the dispatcher hands ``experts`` host counts per expert (one device-to-host
-copy per step): buffers are sized exactly and every GEMM backend may run. On a first micro-batch
-(``is_first_microbatch=True``) the weights' quantization is queued while the host waits for that
-copy (``dispatch``'s ``before_host_wait``): the GPU runs it through the wait and while the host
-issues what follows. ``device_splits=True`` (local dispatcher) keeps the counts on the device:
+copy per step): buffers are sized exactly and every GEMM backend may run. Unless a cache is reused
+(``is_first_microbatch=False``), the weights' quantization is queued while the host waits for that
+copy (``dispatch``'s ``before_host_wait``, ``prefetch_fp8_weights``): the GPU runs it through the
+wait and while the host issues what follows. ``device_splits=True`` (local dispatcher) keeps the counts on the device:
 permute writes a worst-case buffer, the GEMMs take device splits (``auto``: DeepGEMM fprop/dgrad
 where installed, Triton wgrad), and the block runs forward and backward without a host sync, so it
 can be captured in a CUDA graph and replayed with other routings (docs/moe.md, CUDA graphs).
@@ -123,11 +123,22 @@ class FP8FlowMoE(nn.Module):
     def dispatch(self, hidden, topk_ids, topk_probs, before_host_wait=None):
         return self.dispatcher.dispatch(hidden, topk_ids, topk_probs, before_host_wait)
 
-    def cache_fp8_weights(self) -> None:
-        """Quantize fc1's and fc2's weights into their FP8 caches (``is_first_microbatch=True``'s work, done
-        ahead: ``forward_topk`` queues it while the host waits for the dispatch's counts)."""
+    def prefetch_fp8_weights(self, is_first_microbatch: Optional[bool] = None,
+                             transpose: Optional[bool] = None) -> None:
+        """Quantize fc1's and fc2's weights for the coming ``routed_experts`` call with ``is_first_microbatch``
+        (its weight work, done ahead: ``forward_topk`` queues it while the host waits for the dispatch's counts;
+        ``GroupedLinear.prefetch_fp8_weights``). ``transpose`` None: W and W^T, but W alone for a cache under
+        ``moe_expert`` (the rerun reads the cached W, backward transposes it: one quantization and one
+        transpose per step, where caching W^T would need a transpose in the rerun too)."""
+        if transpose is None:
+            transpose = self.recompute is None or is_first_microbatch is None
         for linear in (self.linear_fc1, self.linear_fc2):
-            linear.fp8_weights(True)
+            linear.prefetch_fp8_weights(is_first_microbatch, transpose)
+
+    def drop_prefetched_fp8_weights(self) -> None:
+        """Discard prefetched FP8 weights no forward took (``GroupedLinear.drop_prefetched_fp8_weights``)."""
+        for linear in (self.linear_fc1, self.linear_fc2):
+            linear.drop_prefetched_fp8_weights()
 
     def experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert,
                 is_first_microbatch: Optional[bool] = None):
@@ -139,6 +150,30 @@ class FP8FlowMoE(nn.Module):
         act = weighted_swiglu_quant(h, probs, self.recipe)
         y = self.linear_fc2(act, padded, is_first_microbatch)
         return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets)
+
+    def routed_experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert,
+                       is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """``experts``, inside the ``moe_expert`` recompute when set: only its inputs are kept, and the rerun
+        in backward reads the FP8 weights the forward cached (``is_first_microbatch`` True or False) or
+        quantizes W alone again (None: backward takes the W^T the first pass kept; the rerun only
+        regenerates saved activations, and its own autograd state is dropped)."""
+        if self.recompute != "moe_expert":
+            return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+        passes = []
+
+        def experts(hidden, topk_ids, topk_probs):
+            if not passes:
+                passes.append("first")
+                return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+            if is_first_microbatch is not None:
+                return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, False)
+            try:
+                self.prefetch_fp8_weights(None, transpose=False)
+                return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, None)
+            finally:
+                self.drop_prefetched_fp8_weights()
+
+        return torch.utils.checkpoint.checkpoint(experts, hidden, topk_ids, topk_probs, use_reentrant=False)
 
     def _permute(self, hidden, topk_ids, topk_probs, tokens_per_expert):
         """-> ``(x [M, H], probs [M], row_id_map, pad_offsets, m_splits)``, each expert's rows padded to
@@ -191,23 +226,21 @@ class FP8FlowMoE(nn.Module):
         for name, t in (("hidden", hidden), ("topk_ids", topk_ids), ("topk_probs", topk_probs)):
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device}, the block's parameters on {device}: move one of them")
-        # A first micro-batch's weight quantization is queued while the host waits for the dispatch's counts:
-        # the GPU runs it then, and while the host issues the permute after the wait (it would idle there).
-        prefetch = self.cache_fp8_weights if is_first_microbatch else None
-        res = self.dispatch(self.quantize(hidden), topk_ids, topk_probs.float(), prefetch)
-        if prefetch is not None:
-            is_first_microbatch = False  # the caches were filled just now
-        if self.recompute == "moe_expert":
-            def experts(hidden, topk_ids, topk_probs):  # the rerun reuses the FP8 weights the forward cached
-                nonlocal is_first_microbatch
-                first = is_first_microbatch
-                if first is not None:
-                    is_first_microbatch = False
-                return self.experts(hidden, topk_ids, topk_probs, res.tokens_per_expert, first)
+        # The weights' quantization (unless a cache is reused) is queued while the host waits for the dispatch's
+        # counts: the GPU runs it then, and while the host issues the permute after the wait (it would idle there).
+        # (in the forward's grad mode: a dispatcher may call it inside its autograd Function's forward)
+        grad = torch.is_grad_enabled()
 
-            y = torch.utils.checkpoint.checkpoint(experts, res.hidden, res.topk_ids, res.topk_probs,
-                                                  use_reentrant=False)
-        else:
-            y = self.experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert, is_first_microbatch)
+        def prefetch():
+            with torch.set_grad_enabled(grad):
+                self.prefetch_fp8_weights(is_first_microbatch)
+
+        prefetch = None if is_first_microbatch is False else prefetch
+        try:
+            res = self.dispatch(self.quantize(hidden), topk_ids, topk_probs.float(), prefetch)
+            y = self.routed_experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert,
+                                    is_first_microbatch)
+        finally:  # weights prefetched for a forward that raised are never used later
+            self.drop_prefetched_fp8_weights()
         return self.combine(y, res.handle)
 
