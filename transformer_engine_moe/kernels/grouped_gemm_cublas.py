@@ -1,8 +1,9 @@
 """Grouped blockwise-FP8 GEMMs as one cuBLAS ``torch._scaled_mm`` per non-empty expert (Hopper).
 
 For splits already on the host (DeepEP returns them as a list): no sync, one
-launch per expert. Same signatures as ``kernels/grouped_gemm.py``; layouts
-(checked on an H100/H200 with torch 2.11, docs/grouped_gemm.md):
+launch per expert (wgrad's spread over ``NUM_COMPUTE_STREAMS`` streams). Same
+signatures as ``kernels/grouped_gemm.py``; layouts (checked on an H100/H200 with
+torch 2.11, docs/grouped_gemm.md):
 
 - fprop ``A_e [m, K] @ W_e^T``: ``scale_a`` = the 1x128 scales as a column-major
   ``[m, K/128]``, ``b = W_e.t()``, ``scale_b = S_e.t()`` (128x128 scales).
@@ -24,6 +25,36 @@ multiple of 128 (checked on an H200: relative error 1.3e-4 at groups of 128, 384
 from __future__ import annotations
 
 import torch
+
+# Per-expert wgrad GEMMs go round-robin over this many CUDA streams forked from and joined back into the
+# caller's (as TransformerEngine's NVTE_NUM_COMPUTE_STREAMS for its grouped GEMMs): one expert's GEMM fills
+# the launch gap and the last partial wave of another. 1: everything on the current stream.
+NUM_COMPUTE_STREAMS = 2
+_STREAMS: dict[tuple, list] = {}
+
+
+def _on_streams(device: torch.device, launches: list) -> None:
+    """Run the callables ``launches`` in order, round-robin over ``NUM_COMPUTE_STREAMS`` side streams that
+    wait for the current stream, which then waits for them (no host sync; capturable). Tensors they make
+    live on their side stream; what they read or write was allocated on the current stream, whose later
+    work (reuse of freed memory included) is ordered after the join."""
+    n = min(NUM_COMPUTE_STREAMS, len(launches))
+    if n <= 1:
+        for launch in launches:
+            launch()
+        return
+    main = torch.cuda.current_stream(device)
+    key = (device, n)
+    if key not in _STREAMS:
+        _STREAMS[key] = [torch.cuda.Stream(device) for _ in range(n)]
+    streams = _STREAMS[key]
+    for s in streams:
+        s.wait_stream(main)
+    for i, launch in enumerate(launches):
+        with torch.cuda.stream(streams[i % n]):
+            launch()
+    for s in streams:
+        main.wait_stream(s)
 
 
 def supports(reduction: int, m_splits) -> bool:
@@ -64,18 +95,22 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
     if out is None:
         out = torch.empty((len(m_splits), n, k), dtype=out_dtype, device=a_t.device)
-    lo = blk = 0
+    def launch(g, args):
+        if accumulate:  # cuBLAS through torch has no beta: a float32 temporary per expert
+            out[g] += torch._scaled_mm(*args, out_dtype=out.dtype)
+        else:
+            torch.ops.aten._scaled_mm.out(*args, out_dtype=out.dtype, out=out[g])
+
+    launches, lo, blk = [], 0, 0
     for g, size in enumerate(m_splits):
         nb = size // 128
         if size:
             args = (a_t[n * lo:n * (lo + size)].view(n, size), b_t[k * lo:k * (lo + size)].view(k, size).t(),
                     a_t_scale_inv[blk:blk + nb].t(), b_t_scale_inv[blk:blk + nb])
-            if accumulate:  # cuBLAS through torch has no beta: a float32 temporary per expert
-                out[g] += torch._scaled_mm(*args, out_dtype=out.dtype)
-            else:
-                torch.ops.aten._scaled_mm.out(*args, out_dtype=out.dtype, out=out[g])
+            launches.append(lambda g=g, args=args: launch(g, args))
         elif not accumulate:
             out[g].zero_()
         lo += size
         blk += nb
+    _on_streams(out.device, launches)
     return out
