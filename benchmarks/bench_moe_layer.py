@@ -19,8 +19,9 @@ step at 64 experts on an H200, in every block). Blocks, all with the same parame
   ``fp8_flow_graph_auto``: the same with ``gemm_backend="auto"`` (DeepGEMM fprop/dgrad, Triton wgrad).
   Their memory columns are of the same step run eagerly.
 
-Reports step time, peak memory above the inputs, activation bytes kept for backward, and (``--profile``)
-where the GPU time of the ``fp8_flow`` step and of the ``fp8_flow_graph_auto`` replay goes at the given
+Reports step time (``fp8_flow`` and ``fp8_flow+moe_expert`` also without the FP8 weight cache, as
+Megatron's ``--disable-parameter-transpose-cache``), peak memory above the inputs, activation bytes kept
+for backward, and (``--profile``) where the GPU time of the ``fp8_flow`` step and of the ``fp8_flow_graph_auto`` replay goes at the given
 expert counts: GEMMs vs the rest, by kernel. Writes a PNG.
 
 Run on a GPU: ``python benchmarks/bench_moe_layer.py [--experts 8 32 64 128] [--profile 64 128] [--suffix _h200]``
@@ -45,6 +46,7 @@ BLOCKS = {"bf16_loop": (BF16LoopMoE.from_block, None), "blockwise_casts": (Block
           "fp8_flow": (lambda block: block, None), "fp8_flow+moe_expert": (lambda block: block, "moe_expert")}
 # FP8-Flow blocks of their own constructor arguments: the eager block on the Triton GEMMs alone, and the
 # block with device splits captured in one CUDA graph (Triton GEMMs; auto: DeepGEMM fprop/dgrad + Triton wgrad).
+UNCACHED = ("fp8_flow", "fp8_flow+moe_expert")  # also timed with is_first_microbatch=None
 OTHER_BLOCKS = {"fp8_flow_triton": dict(gemm_backend="triton"),
                 "fp8_flow_graph": dict(gemm_backend="triton", device_splits=True),
                 "fp8_flow_graph_auto": dict(device_splits=True)}
@@ -55,11 +57,11 @@ CATEGORIES = (("gemm", ("gemm", "sm90_xmma", "cutlass", "wgrad", "deep_gemm", "n
               ("permute / unpermute", ("permute", "scan", "routing", "row_id")), ("swiglu", ("swiglu",)))
 
 
-def step_fn(model, x, ids, probs, dy):
+def step_fn(model, x, ids, probs, dy, is_first_microbatch=True):
     def fwd_bwd():  # one micro-batch per step: the FP8 weights are quantized once per step
         model.zero_grad(set_to_none=True)  # as a training step's zero_grad: no add into last step's gradients
         x.grad = None
-        model.forward_topk(x, ids, probs, is_first_microbatch=True).backward(dy)
+        model.forward_topk(x, ids, probs, is_first_microbatch=is_first_microbatch).backward(dy)
     return fwd_bwd
 
 
@@ -83,18 +85,20 @@ def memory(model, x, ids, probs, dy, is_first_microbatch) -> tuple[float, int]:
     return peak, saved
 
 
-def measure(model, x, ids, probs, dy, graph: bool = False) -> dict:
-    """Step time (``graph``: of the step captured in a CUDA graph and replayed) and memory (always of the
-    step run eagerly)."""
+def measure(model, x, ids, probs, dy, graph: bool = False, uncached: bool = False) -> dict:
+    """Step time (``graph``: of the step captured in a CUDA graph and replayed; ``uncached``: also of the
+    eager step with ``is_first_microbatch=None``) and memory (always of the step run eagerly)."""
     fwd_bwd = step_fn(model, x, ids, probs, dy)
     fwd_bwd()  # compile / JIT outside the timing
     torch.cuda.synchronize()
     captured = utils.cuda_graph(fwd_bwd) if graph else None
-    ms = utils.time_ms(captured.replay if graph else fwd_bwd, 100, 1000)
+    res = dict(ms=utils.time_ms(captured.replay if graph else fwd_bwd, 100, 1000))
     del captured
+    if uncached:
+        res["ms_uncached"] = utils.time_ms(step_fn(model, x, ids, probs, dy, None), 100, 1000)
     peak, saved = memory(model, x, ids, probs, dy, True)
     peak_uncached, _ = memory(model, x, ids, probs, dy, None)
-    return dict(ms=ms, saved_gib=saved / 2**30, peak_gib=peak / 2**30, peak_uncached_gib=peak_uncached / 2**30)
+    return dict(res, saved_gib=saved / 2**30, peak_gib=peak / 2**30, peak_uncached_gib=peak_uncached / 2**30)
 
 
 def inputs(experts):
@@ -115,7 +119,7 @@ def sweep_point(experts) -> list[dict]:
     for name, (make, recompute) in BLOCKS.items():
         model = make(block)
         model.recompute = recompute
-        res[name] = measure(model, x, ids, probs, dy)
+        res[name] = measure(model, x, ids, probs, dy, uncached=name in UNCACHED)
     del block, model
     for name, kw in OTHER_BLOCKS.items():
         torch.cuda.empty_cache()
@@ -124,9 +128,14 @@ def sweep_point(experts) -> list[dict]:
         res[name] = measure(other, x, ids, probs, dy, graph=kw.get("device_splits", False))
         del other
     base = res["bf16_grouped_mm"]
-    return [dict(experts=experts, rows_per_expert=TOKENS * TOPK // experts, block=name, **r,
-                 speedup_over_bf16_grouped_mm=base["ms"] / r["ms"], peak_vs_bf16_grouped_mm=r["peak_gib"] / base[
-                     "peak_gib"]) for name, r in res.items()]
+    for r in res.values():
+        r["speedup_over_bf16_grouped_mm"] = base["ms"] / r["ms"]
+        r["peak_vs_bf16_grouped_mm"] = r["peak_gib"] / base["peak_gib"]
+        if "ms_uncached" in r:
+            r["speedup_uncached"] = base["ms"] / r["ms_uncached"]
+            r["peak_uncached_vs_bf16"] = r["peak_uncached_gib"] / base["peak_gib"]
+    return [dict(experts=experts, rows_per_expert=TOKENS * TOPK // experts, block=name, **r)
+            for name, r in res.items()]
 
 
 def profile(experts: int) -> list[dict]:
@@ -198,14 +207,16 @@ def write_sweep(suffix, env, ceilings, rows):
     path = utils.write_results(
         f"bench_moe_layer{suffix}", "MoE expert block forward+backward, EP=1, per rank", env, ceilings, rows,
         ["experts", "rows_per_expert", "block", "ms", "speedup_over_bf16_grouped_mm", "peak_gib",
-         "peak_vs_bf16_grouped_mm", "peak_uncached_gib", "saved_gib"],
+         "peak_vs_bf16_grouped_mm", "ms_uncached", "speedup_uncached", "peak_uncached_gib", "peak_uncached_vs_bf16",
+         "saved_gib"],
         notes=(f"{TOKENS} tokens, hidden {HIDDEN}, ffn {FFN}, top-{TOPK}, uniform random router. FP8 blocks pad "
                "each expert's rows to the block's align_size; bf16_grouped_mm does not pad. saved_gib: distinct "
                "storages autograd keeps for backward (saved_tensors_hooks), parameters excluded. peak_gib: peak "
                "allocation above the inputs and parameters during one forward+backward as timed "
                "(is_first_microbatch=True), from no gradients and no cached FP8 weights: the FP8 weight cache "
                "(one byte per parameter) and the gradients count. peak_uncached_gib: the same with "
-               "is_first_microbatch=None (no cache, as Megatron's --disable-parameter-transpose-cache). "
+               "is_first_microbatch=None (no cache, as Megatron's --disable-parameter-transpose-cache); "
+               "ms_uncached, speedup_uncached: that step's time (fp8_flow blocks; BF16 blocks have no cache). "
                "fp8_flow_graph*: ms of CUDA-graph replays, memory of the same step run eagerly."))
     print(path.read_text())
     plot(rows, path.with_suffix(".png"))
