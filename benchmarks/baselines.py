@@ -57,7 +57,7 @@ class _BF16TokensMoE(FP8FlowMoE):
 class BF16LoopMoE(_BF16TokensMoE):
     """The BF16 block: one ``F.linear`` per expert, the reference SwiGLU in float32 rounded to BF16."""
 
-    def prefetch_fp8_weights(self, is_first_microbatch=None) -> None:
+    def prefetch_fp8_weights(self, is_first_microbatch=None, transpose=None) -> None:
         """BF16 weights: nothing to quantize ahead."""
 
     def mlp(self, x, probs, padded, is_first_microbatch):
