@@ -33,15 +33,15 @@ NUM_COMPUTE_STREAMS = 2
 _STREAMS: dict[tuple, list] = {}
 
 
-def _on_streams(device: torch.device, launches: list) -> None:
-    """Run the callables ``launches`` in order, round-robin over ``NUM_COMPUTE_STREAMS`` side streams that
-    wait for the current stream, which then waits for them (no host sync; capturable). Tensors they make
-    live on their side stream; what they read or write was allocated on the current stream, whose later
-    work (reuse of freed memory included) is ordered after the join."""
-    n = min(NUM_COMPUTE_STREAMS, len(launches))
+def _on_streams(device: torch.device, launch, jobs: list) -> None:
+    """``launch(*job)`` for each of ``jobs`` in order, round-robin over ``NUM_COMPUTE_STREAMS`` side streams
+    that wait for the current stream, which then waits for them (no host sync; capturable). Tensors a
+    launch makes live on its side stream; what it reads or writes was allocated on the current stream,
+    whose later work (reuse of freed memory included) is ordered after the join."""
+    n = min(NUM_COMPUTE_STREAMS, len(jobs))
     if n <= 1:
-        for launch in launches:
-            launch()
+        for job in jobs:
+            launch(*job)
         return
     main = torch.cuda.current_stream(device)
     key = (device, n)
@@ -50,9 +50,9 @@ def _on_streams(device: torch.device, launches: list) -> None:
     streams = _STREAMS[key]
     for s in streams:
         s.wait_stream(main)
-    for i, launch in enumerate(launches):
+    for i, job in enumerate(jobs):
         with torch.cuda.stream(streams[i % n]):
-            launch()
+            launch(*job)
     for s in streams:
         main.wait_stream(s)
 
@@ -95,22 +95,23 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
     if out is None:
         out = torch.empty((len(m_splits), n, k), dtype=out_dtype, device=a_t.device)
+
     def launch(g, args):
         if accumulate:  # cuBLAS through torch has no beta: a float32 temporary per expert
             out[g] += torch._scaled_mm(*args, out_dtype=out.dtype)
         else:
             torch.ops.aten._scaled_mm.out(*args, out_dtype=out.dtype, out=out[g])
 
-    launches, lo, blk = [], 0, 0
+    jobs, lo, blk = [], 0, 0
     for g, size in enumerate(m_splits):
         nb = size // 128
         if size:
             args = (a_t[n * lo:n * (lo + size)].view(n, size), b_t[k * lo:k * (lo + size)].view(k, size).t(),
                     a_t_scale_inv[blk:blk + nb].t(), b_t_scale_inv[blk:blk + nb])
-            launches.append(lambda g=g, args=args: launch(g, args))
+            jobs.append((g, args))
         elif not accumulate:
             out[g].zero_()
         lo += size
         blk += nb
-    _on_streams(out.device, launches)
+    _on_streams(out.device, launch, jobs)
     return out
