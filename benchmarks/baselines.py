@@ -34,10 +34,17 @@ class _BF16TokensMoE(FP8FlowMoE):
     @classmethod
     def from_block(cls, block: FP8FlowMoE) -> "_BF16TokensMoE":
         """This baseline over ``block``'s submodules, parameters, dispatcher and settings (shared, not copied:
-        no second copy of the weights in a benchmark; ``recompute`` may be set on it alone)."""
+        no second copy of the weights in a benchmark), without recompute (``moe_expert`` is FP8-Flow's)."""
         twin = cls.__new__(cls)
         twin.__dict__.update(vars(block))
+        twin.recompute = None
         return twin
+
+    def routed_experts(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch=None):
+        if self.recompute is not None:
+            raise ValueError(f"{type(self).__name__} runs without recompute; moe_expert is FP8-Flow's "
+                             f"(got recompute={self.recompute!r})")
+        return super().routed_experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
 
     def quantize(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden

@@ -215,8 +215,9 @@ class FP8FlowMoELayer(MoELayer):
 
     # ------------------------------------------------------------ Megatron's MoE phases
     # MoELayer's phase methods, for Megatron's callers that run the layer phase by phase, mapped onto the
-    # block's: preprocess -> FP8FlowMoE.quantize, dispatch -> .dispatch, routed_experts_compute -> .experts
-    # (inside the moe_expert recompute), combine -> .combine. route, shared_experts_compute are Megatron's.
+    # block's: preprocess -> FP8FlowMoE.quantize, dispatch -> .dispatch, routed_experts_compute ->
+    # .routed_experts (the moe_expert recompute when set), combine -> .combine. route, shared_experts_compute
+    # are Megatron's.
     # In sequence they compute what forward computes, bit for bit (tests/megatron/test_phases.py).
     def _state(self, phase: str) -> "_PhaseState":
         if self._phase is None:
@@ -257,14 +258,9 @@ class FP8FlowMoELayer(MoELayer):
         """The received ``(tokens [R, H], topk_probs [R, k])`` -> ``(output [R, H] BF16, None)``:
         ``FP8FlowMoE.routed_experts`` (``experts`` with the FP8 weight cache, inside the ``moe_expert``
         recompute when set)."""
-        state, block, flag = self._state("routed_experts_compute"), self.experts, self._take_first_microbatch()
-        try:  # the weights' work as forward_topk's dispatch queues it (W alone for moe_expert's first pass)
-            if flag is not False:
-                block.prefetch_fp8_weights(flag)
-            output = block.routed_experts(hidden_states, state.topk_ids, probs, state.tokens_per_expert, flag)
-        finally:
-            block.drop_prefetched_fp8_weights()
-        return output, None
+        state = self._state("routed_experts_compute")
+        return self.experts.routed_experts(hidden_states, state.topk_ids, probs, state.tokens_per_expert,
+                                           self._take_first_microbatch()), None
 
     def combine(self, output: torch.Tensor) -> torch.Tensor:
         """``[R, H]`` -> ``[T, H]`` BF16: each token's experts summed back (``FP8FlowMoE.combine``)."""

@@ -60,8 +60,7 @@ def test_from_block_shares_the_experts_and_keeps_tokens_bf16(cls):
     fp8 = FP8FlowMoE(4, 256, 128, 2, recompute="moe_expert")
     twin = cls.from_block(fp8)
     assert isinstance(twin, FP8FlowMoE) and twin.linear_fc1 is fp8.linear_fc1 and twin.dispatcher is fp8.dispatcher
-    twin.recompute = None
-    assert fp8.recompute == "moe_expert"
+    assert twin.recompute is None and fp8.recompute == "moe_expert"
     x, ids, probs = routed()
     assert twin.quantize(x) is x and isinstance(fp8.quantize(x), Float8BlockwiseQTensor)
     built = cls(4, 256, 128, 2)  # the same block built and loaded: bitwise the same output

@@ -102,7 +102,8 @@ def test_fp8_flow_experts_are_in_use(tmp_path, monkeypatch):
     assert len(layers) == 2 and all(isinstance(layer.experts, FP8FlowMoE) for layer in layers)
     assert layers[0].experts.recompute == "moe_expert"
     # 2 layers x 2 GEMMs x 2 steps, plus the moe_expert recompute in backward
-    assert len(seen) == 16 and all(t is Float8BlockwiseQTensor for t in seen)
+    # 2 steps x 2 layers x (fc1, fc2, and fc1 again in moe_expert's rerun, which stops at fc2's saved input)
+    assert len(seen) == 12 and all(t is Float8BlockwiseQTensor for t in seen)
 
 
 def test_fp8_flow_two_steps_expert_parallel_2(tmp_path):

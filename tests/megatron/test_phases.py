@@ -134,13 +134,13 @@ def test_phases_equal_forward_at_expert_parallel_2(tmp_path):
 
 
 def test_moe_expert_recompute_wraps_the_experts_phase(world_of_one, monkeypatch):
-    """routed_experts_compute runs the block's experts phase twice (forward, then the recompute in backward),
-    the rerun reusing the FP8 weights the forward cached."""
+    """routed_experts_compute runs the block's expert MLP twice (forward, then the moe_expert rerun in
+    backward), the rerun reusing the FP8 weights the forward cached."""
     layer = _layer(_config(**OPTIONS["moe_expert"]))
-    flags, experts = [], layer.experts.experts
-    monkeypatch.setattr(layer.experts, "experts", lambda *a: flags.append(a[-1]) or experts(*a))
+    calls, mlp = [], layer.experts._mlp
+    monkeypatch.setattr(layer.experts, "_mlp", lambda *a, **kw: calls.append((a[-1], kw)) or mlp(*a, **kw))
     _run(layer, torch.randn(32, 2, 128), torch.randn(32, 2, 128), _phases)
-    assert flags == [True, False]
+    assert calls == [(True, {}), (False, {"rerun": True})]
 
 
 def test_token_dropping_drops_tokens(world_of_one):

@@ -84,7 +84,41 @@ def test_moe_expert_recompute_is_bitwise_and_keeps_only_the_fp8_input():
         assert all(torch.equal(u, v) for u, v in zip(us, vs))
     bf16 = step(ref, *batch(2))[5]
     assert c[5] <= 0.3 * bf16
-    assert c[5] <= T * (H + 4 * H // 128) + 4 * T * K * (8 + 4) + 4096  # FP8 rows + scales + routing, small extras
+    # FP8 rows + scales, top-k ids (int64) + probs (fp32) twice (dispatch's and the checkpoint's), unpermute's
+    # row_id_map [T, 2E+1] int32 + pad_offsets [E] int32; small extras
+    assert c[5] <= T * (H + 4 * H // 128) + 2 * T * K * (8 + 4) + 4 * T * (2 * E + 1) + 4 * E + 1024
+
+
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "full-rerun"])
+@pytest.mark.parametrize("flag", [None, True], ids=["no-cache", "cache"])
+def test_moe_expert_rerun_skips_fc2s_gemm_and_weights(monkeypatch, flag, early_stop):
+    """The rerun in backward regenerates fc1's and SwiGLU's saved tensors and fc2's input transpose alone: five
+    grouped GEMMs per step (fc1 and fc2 forward, fc1 rerun, two dgrads) against four without recompute, and no
+    quantization of fc2's weights in the rerun. With checkpoint's early stop turned off the rerun ends after
+    fc2's saved input all the same. Output and gradients bit for bit the step without recompute."""
+    import torch.utils.checkpoint as checkpoint
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
+
+    fp8, _ = pair()
+    x, ids, probs = batch(4)
+    plain = step(fp8, x, ids, probs)
+    fp8.recompute = "moe_expert"
+    gemms, weights = [], []
+    real_gemm, real_q = grouped_linear.grouped_gemm, grouped_linear.quantize_grouped_weight
+    monkeypatch.setattr(grouped_linear, "grouped_gemm",
+                        lambda *a, **kw: gemms.append(tuple(a[1].shape[1:])) or real_gemm(*a, **kw))
+    monkeypatch.setattr(grouped_linear, "quantize_grouped_weight",
+                        lambda ws, *a, **kw: weights.append(tuple(ws[0].shape)) or real_q(ws, *a, **kw))
+    monkeypatch.setattr(fp8, "forward_topk", lambda *a, first=fp8.forward_topk: first(*a, is_first_microbatch=flag))
+    with checkpoint.set_checkpoint_early_stop(early_stop):
+        recomputed = step(fp8, x, ids, probs)
+    fc1, fc2 = (2 * FFN, H), (H, FFN)  # [N, K] of each forward GEMM's weight; dgrads take [K, N]
+    assert sorted(gemms) == sorted([fc1, fc2, fc1, fc2[::-1], fc1[::-1]])
+    assert weights == [fc1, fc2] + ([fc1] if flag is None else [])
+    for u, v in zip(plain[:3], recomputed[:3]):
+        assert torch.equal(u, v)
+    for us, vs in zip(plain[3:5], recomputed[3:5]):
+        assert all(torch.equal(u, v) for u, v in zip(us, vs))
 
 
 @pytest.mark.parametrize("recompute", [None, "moe_expert"])
@@ -107,8 +141,8 @@ def test_weight_work_per_step_follows_is_first_microbatch_and_recompute(monkeypa
     """TE's ``is_first_microbatch``: True quantizes fc1's and fc2's weights once, False quantizes nothing, None
     quantizes every call. Without recompute each quantization also writes W^T, which backward takes as is (a
     reused cache transposes W^T into W in the forward). Under ``moe_expert`` backward takes what the first pass
-    kept: with a cache W alone, which the rerun reads (backward transposes it); with None W and W^T, and the
-    rerun quantizes W alone."""
+    kept: fc1 with a cache W alone, which the rerun reads (backward transposes it); with None W and W^T, and
+    the rerun quantizes fc1's W alone. fc2's weights are not rerun."""
     import transformer_engine_moe.module.grouped_linear as grouped_linear
 
     fp8, _ = pair(recompute=recompute)
@@ -128,10 +162,10 @@ def test_weight_work_per_step_follows_is_first_microbatch_and_recompute(monkeypa
         assert fwd_bwd(is_first_microbatch=True) == ["W+W^T"] * 2
         assert fwd_bwd(is_first_microbatch=False) == ["T"] * 2
         assert fwd_bwd() == ["W+W^T"] * 2
-    else:
-        assert fwd_bwd(is_first_microbatch=True) == ["T"] * 2 + ["W"] * 2
+    else:  # fc1 as said; fc2, which the rerun does not run, as without recompute
+        assert fwd_bwd(is_first_microbatch=True) == ["T", "W", "W+W^T"]
         assert fwd_bwd(is_first_microbatch=False) == ["T"] * 2
-        assert fwd_bwd() == ["W"] * 2 + ["W+W^T"] * 2  # (sorted: the first pass is W+W^T)
+        assert fwd_bwd() == ["W"] + ["W+W^T"] * 2  # (sorted: the first pass is W+W^T)
 
 
 @pytest.mark.parametrize("flag", [True, None])
@@ -164,12 +198,16 @@ def test_weights_are_quantized_during_dispatch(monkeypatch, dispatcher, flag):
         assert all(torch.equal(u, v) for u, v in zip(us, vs))
 
 
-def test_weights_prefetched_by_a_forward_that_raised_are_dropped(monkeypatch):
-    """A forward that fails after dispatch (weights prefetched) leaves nothing behind: a later forward of the
-    linears quantizes the weights as they are then."""
+@pytest.mark.parametrize("phase", ["dispatch", "experts"])
+def test_weights_prefetched_by_a_forward_that_raised_are_dropped(monkeypatch, phase):
+    """A forward that fails after the weights were prefetched (in dispatch's host wait, or in the experts
+    phase) leaves nothing behind: a later forward of the linears quantizes the weights as they are then."""
     block, _ = pair()
     x, ids, probs = batch(7)
-    monkeypatch.setattr(block, "experts", lambda *a: 1 / 0)
+    if phase == "dispatch":
+        monkeypatch.setattr(block.dispatcher, "dispatch", lambda *a: a[-1]() or 1 / 0)
+    else:
+        monkeypatch.setattr(block, "experts", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         block.forward_topk(x, ids, probs)
     h = torch.randn(128, H).bfloat16()

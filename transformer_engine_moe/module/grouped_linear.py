@@ -96,10 +96,14 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, m_splits, module, weight_fp8, weight_t, bias, *weights):
         # no autograd Function inside this one (torch.compile could not trace it): quantize, transpose as raw ops
+        # weight_fp8 None: a recompute's rerun (GroupedLinear.recompute_saved_input): no GEMM, an empty output
         x = inp if isinstance(inp, Float8BlockwiseQTensor) else quantize_in_function(
             inp.contiguous(), module.quantizers[Role.INPUT].args)
-        out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
-        if bias is not None:
+        if weight_fp8 is None:
+            out = torch.empty(0, dtype=inp.dtype, device=inp.device)
+        else:
+            out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
+        if bias is not None and weight_fp8 is not None:
             out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
         ctx.wgrad = any(ctx.needs_input_grad[6:]) or module.fuse_wgrad_accumulation
         ctx.impl = implementation("auto", x, "GroupedLinear")  # the scaling-aware transposes of x and dy
@@ -116,6 +120,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         module, m_splits = ctx.module, ctx.m_splits
+        # saved tensors first: under a recompute (moe_expert) unpacking them reruns the checkpointed forward,
+        # which is then alive next to grad_out alone, not also next to dy, dgrad and dy^T (peak memory)
+        saved = ctx.saved_tensors
         weight, ctx.weight_bwd = ctx.weight_bwd, None
         if weight is None:
             raise RuntimeError("GroupedLinear's backward ran twice through one graph: it drops its FP8 weights "
@@ -135,7 +142,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dy_t = _columnwise(dy, *ctx.impl.scaling_aware_transpose(dy.rowwise_data, dy.rowwise_scale_inv, m_splits),
                                m_splits)
             del dy
-            data, scale = ctx.saved_tensors
+            data, scale = saved
             shape, dtype, fp8_dtype, pow2 = ctx.x_meta
             x_t = Float8BlockwiseQTensor(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, force_pow_2_scales=pow2,
                                          columnwise_data=data, columnwise_scale_inv=scale,
@@ -284,10 +291,12 @@ class GroupedLinear(nn.Module):
     def prefetch_fp8_weights(self, is_first_microbatch: Optional[bool] = None, transpose: bool = True) -> None:
         """Make now the FP8 weights that the next ``forward`` with the same ``is_first_microbatch`` takes
         (``fp8_weights(is_first_microbatch, transpose)``), e.g. while the host waits for a dispatch: that
-        forward quantizes nothing. They are for that one call, and the weights must not change before it;
+        forward quantizes nothing (a second call with the same arguments before it keeps the first's
+        weights). They are for that one call, and the weights must not change before it;
         ``drop_prefetched_fp8_weights`` discards them if it never comes (``FP8FlowMoE`` does, whatever its
         forward raises)."""
-        self._prefetched = (is_first_microbatch, self.fp8_weights(is_first_microbatch, transpose))
+        if self._prefetched is None or self._prefetched[:2] != (is_first_microbatch, transpose):
+            self._prefetched = (is_first_microbatch, transpose, self.fp8_weights(is_first_microbatch, transpose))
 
     def drop_prefetched_fp8_weights(self) -> None:
         """Discard FP8 weights from ``prefetch_fp8_weights`` that no forward took."""
@@ -310,23 +319,7 @@ class GroupedLinear(nn.Module):
         group: rows whose output is zero and whose gradients are left out, ``ops.grouped_gemm``) ->
         ``[M, out_features]`` in ``inp``'s (logical) dtype. ``is_first_microbatch``: FP8 weight caching
         as in TE (``fp8_weights``)."""
-        if not isinstance(inp, torch.Tensor):
-            raise TypeError(f"inp must be a tensor or Float8BlockwiseQTensor, got {type(inp).__name__}")
-        if inp.dim() != 2 or inp.shape[1] != self.in_features:
-            raise ValueError(f"inp must have shape [M, in_features={self.in_features}], got {list(inp.shape)}")
-        if not isinstance(inp, Float8BlockwiseQTensor) and inp.dtype not in (torch.bfloat16, torch.float16,
-                                                                             torch.float32):
-            raise TypeError(f"inp must be bf16/fp16/fp32 or a Float8BlockwiseQTensor, got {inp.dtype}")
-        params = self.weight_params
-        device = params[0].device
-        if inp.device != device:
-            raise ValueError(f"inp is on {inp.device}, the weights on {device}: move one of them")
-        if isinstance(inp, Float8BlockwiseQTensor) and (inp.is_2D_scaled or not inp.force_pow_2_scales
-                                                        or inp.rowwise_data is None):
-            raise ValueError("an FP8 inp must be rowwise 1x128 with power-of-two scales (the input role's "
-                             f"quantization; wgrad transposes it by exponent shifts), got {inp!r}")
-        if isinstance(m_splits, tuple):
-            m_splits = list(m_splits)
+        self._check_input(inp)
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
@@ -337,11 +330,42 @@ class GroupedLinear(nn.Module):
                                  f"float32 buffer shaped like it, as Megatron's DDP allocates); {missing[0]} "
                                  f"has none")
         prefetched, self._prefetched = self._prefetched, None
-        w, w_t = prefetched[1] if prefetched and prefetched[0] is is_first_microbatch else \
+        w, w_t = prefetched[2] if prefetched and prefetched[0] is is_first_microbatch else \
             self.fp8_weights(is_first_microbatch)
         del prefetched
-        bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
-        return _GroupedLinearFunction.apply(inp, m_splits, self, w, w_t, bias, *params)
+        return _GroupedLinearFunction.apply(inp, list(m_splits) if isinstance(m_splits, tuple) else m_splits, self,
+                                            w, w_t, self._stacked_bias(), *self.weight_params)
+
+    def recompute_saved_input(self, inp: Union[torch.Tensor, Float8BlockwiseQTensor],
+                              m_splits: Union[Sequence[int], torch.Tensor]) -> None:
+        """Inside the rerun of a non-reentrant ``torch.utils.checkpoint`` whose first pass called
+        ``forward(inp, m_splits, ...)``: regenerate only what that forward saved for backward (the input's
+        scaling-aware transpose), without the GEMM or the FP8 weights. The autograd node it makes saves the
+        same tensors in the same order, so checkpoint's early stop ends the rerun here when they are the
+        region's last (``FP8FlowMoE``'s ``moe_expert``: fc2); the first pass's backward reads them. Same
+        input checks as ``forward``."""
+        self._check_input(inp)
+        _GroupedLinearFunction.apply(inp, list(m_splits) if isinstance(m_splits, tuple) else m_splits, self,
+                                     None, None, self._stacked_bias(), *self.weight_params)
+
+    def _check_input(self, inp) -> None:
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"inp must be a tensor or Float8BlockwiseQTensor, got {type(inp).__name__}")
+        if inp.dim() != 2 or inp.shape[1] != self.in_features:
+            raise ValueError(f"inp must have shape [M, in_features={self.in_features}], got {list(inp.shape)}")
+        if not isinstance(inp, Float8BlockwiseQTensor) and inp.dtype not in (torch.bfloat16, torch.float16,
+                                                                             torch.float32):
+            raise TypeError(f"inp must be bf16/fp16/fp32 or a Float8BlockwiseQTensor, got {inp.dtype}")
+        device = self.weight_params[0].device
+        if inp.device != device:
+            raise ValueError(f"inp is on {inp.device}, the weights on {device}: move one of them")
+        if isinstance(inp, Float8BlockwiseQTensor) and (inp.is_2D_scaled or not inp.force_pow_2_scales
+                                                        or inp.rowwise_data is None):
+            raise ValueError("an FP8 inp must be rowwise 1x128 with power-of-two scales (the input role's "
+                             f"quantization; wgrad transposes it by exponent shifts), got {inp!r}")
+
+    def _stacked_bias(self) -> Optional[torch.Tensor]:
+        return torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
 
     def _weight_names(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` of each weight parameter (``weight_params``)."""

@@ -13,10 +13,11 @@ router stays outside, as in Megatron. Phases (methods named after them, so recom
 
 The block does FP8-Flow only; the BF16 and blockwise-FP8-with-casts blocks that benchmarks and tests
 compare it with are subclasses overriding ``quantize`` and ``experts`` (``benchmarks/baselines.py``).
-``recompute="moe_expert"`` keeps only the dispatched FP8 input (data, scales, probs, routing) for
-backward and reruns ``experts`` there; nothing is re-dispatched. A forward called with
-``is_first_microbatch=True`` caches its FP8 weights and the rerun reuses them; with None (no cache)
-the rerun quantizes the weights again.
+``recompute="moe_expert"`` keeps only the dispatched FP8 input (data, scales, probs, routing) and the
+routing map unpermute reads for backward, and reruns permute -> fc1 -> SwiGLU there (plus fc2's input
+transpose; no fc2 GEMM, ``routed_experts``); nothing is re-dispatched. A forward called with
+``is_first_microbatch=True`` caches its FP8 weights and the rerun reuses fc1's; with None (no cache)
+the rerun quantizes fc1's weights again.
 
 Host syncs: by default the dispatcher hands ``experts`` host counts per expert (one device-to-host
 copy per step): buffers are sized exactly and every GEMM backend may run. Unless a cache is reused
@@ -127,13 +128,13 @@ class FP8FlowMoE(nn.Module):
                              transpose: Optional[bool] = None) -> None:
         """Quantize fc1's and fc2's weights for the coming ``routed_experts`` call with ``is_first_microbatch``
         (its weight work, done ahead: ``forward_topk`` queues it while the host waits for the dispatch's counts;
-        ``GroupedLinear.prefetch_fp8_weights``). ``transpose`` None: W and W^T, but W alone for a cache under
-        ``moe_expert`` (the rerun reads the cached W, backward transposes it: one quantization and one
-        transpose per step, where caching W^T would need a transpose in the rerun too)."""
-        if transpose is None:
-            transpose = self.recompute is None or is_first_microbatch is None
-        for linear in (self.linear_fc1, self.linear_fc2):
-            linear.prefetch_fp8_weights(is_first_microbatch, transpose)
+        ``GroupedLinear.prefetch_fp8_weights``; a second call before that forward does nothing). ``transpose``
+        None: W and W^T, but fc1 writes W alone for a cache under ``moe_expert`` (the rerun reads fc1's cached
+        W and backward transposes it: one quantization and one transpose per step, where caching W^T would
+        need a transpose in the rerun too; the rerun never reads fc2's weights)."""
+        fc1_transpose = self.recompute is None or is_first_microbatch is None if transpose is None else transpose
+        self.linear_fc1.prefetch_fp8_weights(is_first_microbatch, fc1_transpose)
+        self.linear_fc2.prefetch_fp8_weights(is_first_microbatch, True if transpose is None else transpose)
 
     def drop_prefetched_fp8_weights(self) -> None:
         """Discard prefetched FP8 weights no forward took (``GroupedLinear.drop_prefetched_fp8_weights``)."""
@@ -145,35 +146,62 @@ class FP8FlowMoE(nn.Module):
         """Received ``hidden [R, H]`` (1x128 FP8), local ``topk_ids``/``topk_probs [R, k]`` and
         ``tokens_per_expert`` (host list, or device tensor: ``_permute``) -> ``[R, H]`` BF16 (each token's
         prob-weighted sum over local experts)."""
+        y, row_id_map, pad_offsets = self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+        return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets)
+
+    def _mlp(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, rerun: bool = False):
+        """``experts`` up to fc2: -> ``(y [M, H] BF16 in the permuted, padded layout, row_id_map, pad_offsets)``.
+        ``rerun``: the ``moe_expert`` rerun, which regenerates only what backward reads: fc2 saves its input's
+        transpose and runs no GEMM (``GroupedLinear.recompute_saved_input``); returns None."""
         x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert)
         h = self.linear_fc1(x, padded, is_first_microbatch)
         act = weighted_swiglu_quant(h, probs, self.recipe)
-        y = self.linear_fc2(act, padded, is_first_microbatch)
-        return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets)
+        if rerun:
+            self.linear_fc2.recompute_saved_input(act, padded)
+            return None
+        return self.linear_fc2(act, padded, is_first_microbatch), row_id_map, pad_offsets
 
     def routed_experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert,
                        is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        """``experts``, inside the ``moe_expert`` recompute when set: only its inputs are kept, and the rerun
-        in backward reads the FP8 weights the forward cached (``is_first_microbatch`` True or False) or
-        quantizes W alone again (None: backward takes the W^T the first pass kept; the rerun only
-        regenerates saved activations, and its own autograd state is dropped)."""
-        if self.recompute != "moe_expert":
-            return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+        """``experts`` with its FP8 weights prefetched (unless a cache is reused: ``prefetch_fp8_weights``),
+        inside the ``moe_expert`` recompute when set.
+
+        ``moe_expert``: permute -> fc1 -> SwiGLU -> fc2 run under a non-reentrant checkpoint that keeps only
+        their inputs; unpermute runs after it and keeps the routing map it reads (``row_id_map [R, 2E+1]``
+        int32 and ``pad_offsets``, E local experts). The rerun in backward regenerates fc1's and SwiGLU's
+        saved tensors and fc2's input transpose, and ends there (checkpoint's early stop): no fc2 GEMM and
+        no fc2 weights. fc1 reads the FP8 weights the forward cached (``is_first_microbatch`` True or False)
+        or quantizes W alone again (None: backward takes the W^T the first pass kept; the rerun's own
+        autograd state is dropped)."""
+        try:
+            if is_first_microbatch is not False:
+                self.prefetch_fp8_weights(is_first_microbatch)
+            if self.recompute != "moe_expert":
+                return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+            y, row_id_map, pad_offsets = torch.utils.checkpoint.checkpoint(
+                self._rerunnable_mlp(tokens_per_expert, is_first_microbatch), hidden, topk_ids, topk_probs,
+                use_reentrant=False)
+        finally:  # weights prefetched for a call that raised are never used later
+            self.drop_prefetched_fp8_weights()
+        return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets)
+
+    def _rerunnable_mlp(self, tokens_per_expert, is_first_microbatch):
+        """``_mlp`` as the ``moe_expert`` checkpoint runs it: the first call computes, later ones are reruns."""
         passes = []
 
-        def experts(hidden, topk_ids, topk_probs):
+        def mlp(hidden, topk_ids, topk_probs):
             if not passes:
                 passes.append("first")
-                return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
-            if is_first_microbatch is not None:
-                return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, False)
+                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+            if is_first_microbatch is not None:  # fc1's cached W
+                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, False, rerun=True)
             try:
-                self.prefetch_fp8_weights(None, transpose=False)
-                return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, None)
+                self.linear_fc1.prefetch_fp8_weights(None, transpose=False)
+                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, None, rerun=True)
             finally:
-                self.drop_prefetched_fp8_weights()
+                self.linear_fc1.drop_prefetched_fp8_weights()
 
-        return torch.utils.checkpoint.checkpoint(experts, hidden, topk_ids, topk_probs, use_reentrant=False)
+        return mlp
 
     def _permute(self, hidden, topk_ids, topk_probs, tokens_per_expert):
         """-> ``(x [M, H], probs [M], row_id_map, pad_offsets, m_splits)``, each expert's rows padded to
@@ -238,9 +266,9 @@ class FP8FlowMoE(nn.Module):
         prefetch = None if is_first_microbatch is False else prefetch
         try:
             res = self.dispatch(self.quantize(hidden), topk_ids, topk_probs.float(), prefetch)
-            y = self.routed_experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert,
-                                    is_first_microbatch)
-        finally:  # weights prefetched for a forward that raised are never used later
+        except BaseException:  # weights prefetched for a forward that raised are never used later
             self.drop_prefetched_fp8_weights()
+            raise
+        y = self.routed_experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert, is_first_microbatch)
         return self.combine(y, res.handle)
 
