@@ -50,9 +50,12 @@ def _on_streams(device: torch.device, launch, jobs: list) -> None:
     streams = _STREAMS[key]
     for s in streams:
         s.wait_stream(main)
-    for i, job in enumerate(jobs):
-        with torch.cuda.stream(streams[i % n]):
+    try:  # set_stream, not the torch.cuda.stream context: that took ~25 us of host time per switch (H100 host)
+        for i, job in enumerate(jobs):
+            torch.cuda.set_stream(streams[i % n])
             launch(*job)
+    finally:
+        torch.cuda.set_stream(main)
     for s in streams:
         main.wait_stream(s)
 
@@ -79,10 +82,8 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
     lo = 0
     for g, size in enumerate(m_splits[:b.shape[0]]):
         if size:
-            torch.ops.aten._scaled_mm.out(
-                a[lo:lo + size], b[g].t(), _col_major(a_scale_inv[lo:lo + size]), b_scale_inv[g].t(),
-                out_dtype=out_dtype, out=c[lo:lo + size],
-            )
+            torch._scaled_mm(a[lo:lo + size], b[g].t(), _col_major(a_scale_inv[lo:lo + size]), b_scale_inv[g].t(),
+                             out_dtype=out_dtype, out=c[lo:lo + size])
         lo += size
     c[lo:].zero_()
     return c
@@ -96,22 +97,21 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     if out is None:
         out = torch.empty((len(m_splits), n, k), dtype=out_dtype, device=a_t.device)
 
-    def launch(g, args):
+    def launch(args, out_g):
         if accumulate:  # cuBLAS through torch has no beta: a float32 temporary per expert
-            out[g] += torch._scaled_mm(*args, out_dtype=out.dtype)
+            out_g += torch._scaled_mm(*args, out_dtype=out.dtype)
         else:
-            torch.ops.aten._scaled_mm.out(*args, out_dtype=out.dtype, out=out[g])
+            torch._scaled_mm(*args, out_dtype=out.dtype, out=out_g)  # (~7 us less host time than ops.aten's .out)
 
-    jobs, lo, blk = [], 0, 0
-    for g, size in enumerate(m_splits):
-        nb = size // 128
+    # every expert's operand views from one split per operand (host time: not four slices per expert)
+    rows, blocks = sum(m_splits), [s // 128 for s in m_splits]
+    a_g, b_g = a_t[:n * rows].split([n * s for s in m_splits]), b_t[:k * rows].split([k * s for s in m_splits])
+    sa_g, sb_g = a_t_scale_inv[:sum(blocks)].split(blocks), b_t_scale_inv[:sum(blocks)].split(blocks)
+    jobs = []
+    for g, (size, out_g) in enumerate(zip(m_splits, out.unbind(0))):
         if size:
-            args = (a_t[n * lo:n * (lo + size)].view(n, size), b_t[k * lo:k * (lo + size)].view(k, size).t(),
-                    a_t_scale_inv[blk:blk + nb].t(), b_t_scale_inv[blk:blk + nb])
-            jobs.append((g, args))
+            jobs.append(((a_g[g].view(n, size), b_g[g].view(k, size).t(), sa_g[g].t(), sb_g[g]), out_g))
         elif not accumulate:
-            out[g].zero_()
-        lo += size
-        blk += nb
+            out_g.zero_()
     _on_streams(out.device, launch, jobs)
     return out
