@@ -89,6 +89,7 @@ WARMUP_ITERS = 10  # iterations left out of the timing
 MICRO_BATCHES = 8  # per GPU per iteration
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+) .*lm loss: ([\d.E+-]+)")
 MEM = re.compile(r"max allocated: ([\d.]+)")
+ALLOCATOR = re.compile(r"allocator \(rank \d+\): retries (\d+), reserved peak ([\d.]+) MiB")  # examples.pretrain_gpt
 ERROR = re.compile(r"^\s*(?:\[rank\d+\]: )?[\w.]*(?:Error|Exception): .*$", re.M)  # an exception's message line
 
 
@@ -121,7 +122,8 @@ def command(config: str, variant: str, gpus: int, iters: int, seed: int = 1234) 
 
 def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
     """Megatron's iteration and memory log lines -> the run's row (tokens/s per GPU, max allocated MiB,
-    final loss, loss curve) and its ``experts:`` line."""
+    final loss, loss curve), its ``experts:`` line and, when the ranks reported them, the caching allocator's
+    retries and reserved peak (the most of any rank; None without reports)."""
     logged = [(int(i), float(ms), float(loss)) for i, ms, loss in ITER.findall(text)]
     if not logged:
         raise ValueError("no 'iteration ... lm loss' lines in the log")
@@ -129,7 +131,10 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
     tail = logged[-max(1, len(logged) // 4):]
     iter_ms = sum(steady) / len(steady)
     experts = [line.strip() for line in text.splitlines() if line.strip().startswith("experts: ")]
-    return dict(tokens_per_s_per_gpu=tokens_per_iter / iter_ms * 1e3 / gpus, iter_ms=iter_ms,
+    allocator = [(int(r), float(mib)) for r, mib in ALLOCATOR.findall(text)]
+    return dict(alloc_retries=max(r for r, _ in allocator) if allocator else None,
+                reserved_peak_mib=max(m for _, m in allocator) if allocator else None,
+                tokens_per_s_per_gpu=tokens_per_iter / iter_ms * 1e3 / gpus, iter_ms=iter_ms,
                 max_allocated_mib=max((float(m) for m in MEM.findall(text)), default=float("nan")),
                 final_loss=sum(loss for *_, loss in tail) / len(tail), curve=[loss for *_, loss in logged],
                 curve_iters=[i for i, *_ in logged],
@@ -208,11 +213,14 @@ def main():
 def write(rows: list[dict], env: dict, gpus: int, seq: int):
     """``rows`` -> ``bench_megatron_pretrain_ep{gpus}`` .json / .md / .png under benchmarks/results; the .md path."""
     columns = ["config", "variant", "device", "status", "micro_batches", "tokens_per_s_per_gpu", "iter_ms",
-               "max_allocated_mib", "final_loss", "wall_s", "allocator", "experts", "error"]
+               "max_allocated_mib", "reserved_peak_mib", "alloc_retries", "final_loss", "wall_s", "allocator",
+               "experts", "error"]
     notes = (f"EP = {gpus} GPUs, TransformerEngine absent (--transformer-impl local: attention and dense layers BF16), "
              f"mock data, sequence {seq}, `micro_batches` micro-batches of one sequence per GPU per iteration; "
              f"timing excludes the first {WARMUP_ITERS} iterations. `allocator`: the CUDA caching allocator's "
-             "settings of the run, when any were set. "
+             "settings of the run, when any were set; `alloc_retries` / `reserved_peak_mib`: its retries (each "
+             "frees every cached block and synchronizes) and reserved peak at the end, the most of any rank "
+             "(empty in rows from before they were recorded). "
              "Rows are kept across runs (one config per run): compare rows of one device and one micro_batches only. "
              "Commands: the `command` field of each row in the JSON; docs/megatron.md.")
     path = utils.write_results(f"bench_megatron_pretrain_ep{gpus}",

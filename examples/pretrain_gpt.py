@@ -110,6 +110,19 @@ def megatron_pretrain(layer_spec=fp8_flow_layer_spec) -> None:
     _datasets_provider.is_distributed = True
     pretrain(pretrain_cfg_container_from_args(args, model_config), _datasets_provider,
              ModelType.encoder_or_decoder, _forward_step)
+    print(allocator_report(), flush=True)
+
+
+def allocator_report() -> str:
+    """One line on the CUDA caching allocator of this rank after training (``torch.cuda.memory_stats``):
+    its retries (each frees every cached block and synchronizes: a run at the memory edge slows down by
+    them while max allocated looks fine) and reserved peak; empty without CUDA."""
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return ""
+    stats = torch.cuda.memory_stats()
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    return (f"allocator (rank {rank}): retries {stats.get('num_alloc_retries', 0)}, reserved peak "
+            f"{stats.get('reserved_bytes.all.peak', 0) / 2**20:.1f} MiB")
 
 
 def main(argv=None) -> None:

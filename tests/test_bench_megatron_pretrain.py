@@ -65,6 +65,8 @@ experts: FP8-Flow on cuda:0: Triton kernels; grouped GEMMs 'auto', per call the 
  [2026-11-23 10:00:05] iteration       10/      20 | consumed samples: 40 | elapsed time per iteration (ms): 150.0 | lm loss: 9.000000E+00 |
  [2026-11-23 10:00:06] iteration       15/      20 | consumed samples: 60 | elapsed time per iteration (ms): 140.0 | lm loss: 8.000000E+00 |
  [2026-11-23 10:00:07] iteration       20/      20 | consumed samples: 80 | elapsed time per iteration (ms): 160.0 | lm loss: 7.000000E+00 |
+allocator (rank 1): retries 37, reserved peak 137141.2 MiB
+allocator (rank 0): retries 35, reserved peak 137145.0 MiB
 """
 
 
@@ -75,6 +77,9 @@ def test_parse_log():
     assert row["max_allocated_mib"] == 14100.5 and row["final_loss"] == 7.0 and row["curve"] == [10.5, 9.0, 8.0, 7.0]
     assert row["curve_iters"] == [5, 10, 15, 20]
     assert row["experts"].startswith("experts: FP8-Flow on cuda:0")
+    assert row["alloc_retries"] == 37 and row["reserved_peak_mib"] == 137145.0  # the most of any rank
+    unreported = bench.parse_log(LOG.split("allocator")[0], tokens_per_iter=4 * 4096, gpus=4)
+    assert unreported["alloc_retries"] is None and unreported["reserved_peak_mib"] is None
     with pytest.raises(ValueError, match="no 'iteration"):
         bench.parse_log("Traceback ...", 1, 1)
 
