@@ -103,8 +103,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
             out = torch.empty(0, dtype=inp.dtype, device=inp.device)
         else:
             out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
-        if bias is not None and weight_fp8 is not None:
-            out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
+            if bias is not None:
+                out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
         ctx.wgrad = any(ctx.needs_input_grad[6:]) or module.fuse_wgrad_accumulation
         ctx.impl = implementation("auto", x, "GroupedLinear")  # the scaling-aware transposes of x and dy
         if ctx.wgrad:  # only wgrad reads the input: keep its columnwise copy alone (as TE), FP8 only
@@ -333,8 +333,7 @@ class GroupedLinear(nn.Module):
         w, w_t = prefetched[2] if prefetched and prefetched[0] is is_first_microbatch else \
             self.fp8_weights(is_first_microbatch)
         del prefetched
-        return _GroupedLinearFunction.apply(inp, list(m_splits) if isinstance(m_splits, tuple) else m_splits, self,
-                                            w, w_t, self._stacked_bias(), *self.weight_params)
+        return self._function(inp, m_splits, w, w_t)
 
     def recompute_saved_input(self, inp: Union[torch.Tensor, Float8BlockwiseQTensor],
                               m_splits: Union[Sequence[int], torch.Tensor]) -> None:
@@ -345,8 +344,14 @@ class GroupedLinear(nn.Module):
         region's last (``FP8FlowMoE``'s ``moe_expert``: fc2); the first pass's backward reads them. Same
         input checks as ``forward``."""
         self._check_input(inp)
-        _GroupedLinearFunction.apply(inp, list(m_splits) if isinstance(m_splits, tuple) else m_splits, self,
-                                     None, None, self._stacked_bias(), *self.weight_params)
+        self._function(inp, m_splits, None, None)
+
+    def _function(self, inp, m_splits, w, w_t):
+        """The autograd Function over ``inp``, ``m_splits`` (a tuple as a list), FP8 ``w``/``w_t`` (None: a
+        rerun without GEMM), the stacked biases and the weight parameters."""
+        bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
+        return _GroupedLinearFunction.apply(inp, list(m_splits) if isinstance(m_splits, tuple) else m_splits, self,
+                                            w, w_t, bias, *self.weight_params)
 
     def _check_input(self, inp) -> None:
         if not isinstance(inp, torch.Tensor):
@@ -363,9 +368,6 @@ class GroupedLinear(nn.Module):
                                                         or inp.rowwise_data is None):
             raise ValueError("an FP8 inp must be rowwise 1x128 with power-of-two scales (the input role's "
                              f"quantization; wgrad transposes it by exponent shifts), got {inp!r}")
-
-    def _stacked_bias(self) -> Optional[torch.Tensor]:
-        return torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
 
     def _weight_names(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` of each weight parameter (``weight_params``)."""

@@ -132,7 +132,7 @@ class FP8FlowMoE(nn.Module):
         None: W and W^T, but fc1 writes W alone for a cache under ``moe_expert`` (the rerun reads fc1's cached
         W and backward transposes it: one quantization and one transpose per step, where caching W^T would
         need a transpose in the rerun too; the rerun never reads fc2's weights)."""
-        fc1_transpose = self.recompute is None or is_first_microbatch is None if transpose is None else transpose
+        fc1_transpose = (self.recompute is None or is_first_microbatch is None) if transpose is None else transpose
         self.linear_fc1.prefetch_fp8_weights(is_first_microbatch, fc1_transpose)
         self.linear_fc2.prefetch_fp8_weights(is_first_microbatch, True if transpose is None else transpose)
 
