@@ -19,14 +19,17 @@ def apply() -> str:
     """Patch megatron-core for FP8-Flow; idempotent. Returns the megatron-core version.
 
     Checks the version (RuntimeError outside 0.16.1 / 0.19.x), makes ``TransformerConfig``
-    accept ``moe_fp8_flow`` and ``recompute_modules`` 'moe_expert' with validation, and makes
-    ``set_is_first_microbatch`` reach the FP8-Flow layers (``experts.patch_set_is_first_microbatch``).
+    accept ``moe_fp8_flow`` and ``recompute_modules`` 'moe_expert' with validation, makes
+    ``set_is_first_microbatch`` reach the FP8-Flow layers (``experts.patch_set_is_first_microbatch``) and
+    DDP's ``finish_grad_sync`` drop their cached FP8 weights before the optimizer step
+    (``experts.patch_finish_grad_sync``).
     It patches megatron-core only: nothing in ``torch`` changes, with or without CUDA.
     """
     from .config import megatron_core_version, patch_transformer_config
-    from .experts import patch_set_is_first_microbatch
+    from .experts import patch_finish_grad_sync, patch_set_is_first_microbatch
 
     version = megatron_core_version()
     patch_transformer_config()
     patch_set_is_first_microbatch()
+    patch_finish_grad_sync()
     return version

@@ -190,6 +190,14 @@ class FP8FlowMoELayer(MoELayer):
         first, self.is_first_microbatch = self.is_first_microbatch if cache else None, False
         return first
 
+    def reset_fp8_weight_cache(self) -> None:
+        """Drop the block's cached FP8 weights (``FP8FlowMoE.reset_fp8_weight_cache``) where it has them; the
+        next micro-batch quantizes the weights again whatever its flag. ``patch_finish_grad_sync`` calls it once
+        a step's gradients are final."""
+        reset = getattr(self.experts, "reset_fp8_weight_cache", None)
+        if reset is not None:
+            reset()
+
     def _moe(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor]):
         """``[S, B, H]`` -> ``[S, B, H]``: shared experts, route, the whole expert block."""
         shared = self.shared_experts_compute(hidden_states)
@@ -345,6 +353,13 @@ def _drop_extra_states(state_dict, prefix, *args) -> None:
         del state_dict[key]
 
 
+def _fp8_flow_layers(module: torch.nn.Module) -> list:
+    """The ``FP8FlowMoELayer``s inside ``module``, found once and kept on it."""
+    if not hasattr(module, "_fp8_flow_layers"):
+        module._fp8_flow_layers = [m for m in module.modules() if isinstance(m, FP8FlowMoELayer)]
+    return module._fp8_flow_layers
+
+
 def patch_set_is_first_microbatch() -> None:
     """Make ``MegatronModule.set_is_first_microbatch`` reset ``FP8FlowMoELayer`` flags too (idempotent).
 
@@ -361,13 +376,39 @@ def patch_set_is_first_microbatch() -> None:
     @functools.wraps(original)
     def set_is_first_microbatch(self):
         original(self)
-        if not hasattr(self, "_fp8_flow_layers"):
-            self._fp8_flow_layers = [m for m in self.modules() if isinstance(m, FP8FlowMoELayer)]
-        for layer in self._fp8_flow_layers:
+        for layer in _fp8_flow_layers(self):
             layer.is_first_microbatch = True
 
     setattr(set_is_first_microbatch, _MARK, True)
     MegatronModule.set_is_first_microbatch = set_is_first_microbatch
+
+
+def patch_finish_grad_sync() -> None:
+    """Make Megatron's ``DistributedDataParallel.finish_grad_sync`` drop the FP8-Flow layers' cached FP8
+    weights (idempotent).
+
+    Megatron calls it once per step, after the last micro-batch's backward and before the optimizer step
+    (``finalize_model_grads``). The cache, one byte per expert parameter quantized on the step's first
+    micro-batch, is stale once the optimizer writes the weights, and the optimizer step is where a run
+    near its memory limit peaks (without TE or Apex, torch's foreach AdamW allocates an FP32 temporary per
+    parameter): dropped here, it is not alive then. The next step's first micro-batch quantizes the weights
+    anyway. (TransformerEngine keeps its FP8 weight workspaces across steps.)
+    """
+    from megatron.core.distributed import DistributedDataParallel
+
+    original = DistributedDataParallel.finish_grad_sync
+    if getattr(original, _MARK, False):
+        return
+
+    @functools.wraps(original)
+    def finish_grad_sync(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        for layer in _fp8_flow_layers(self.module):
+            layer.reset_fp8_weight_cache()
+        return out
+
+    setattr(finish_grad_sync, _MARK, True)
+    DistributedDataParallel.finish_grad_sync = finish_grad_sync
 
 
 def _build_shared_experts(spec, config, pg_collection):

@@ -176,6 +176,32 @@ def test_is_first_microbatch_follows_megatron_schedules(world_of_one):
     assert block.flags[4:] == [None]
 
 
+def test_ddp_finish_grad_sync_drops_the_fp8_weight_cache(world_of_one):
+    """Megatron's DDP ``finish_grad_sync`` (once per step, before the optimizer step) drops each FP8-Flow
+    block's cached FP8 weights, so they are not alive through the optimizer step; the step's other
+    micro-batches reused them before, and a later micro-batch saying False quantizes again."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from megatron_patches.experts import build_fp8_flow_block
+
+    config = _config(recompute_modules=None, recompute_granularity=None)
+    model = _model(config, build_fp8_flow_block)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    tokens = torch.randint(0, 256, (2, 32), device=DEVICE)
+    step = lambda: ddp(tokens, torch.arange(32, device=DEVICE).expand(2, -1), None, labels=tokens).mean().backward()
+    linears = [lin for layer in model.decoder.layers for lin in (layer.mlp.experts.linear_fc1,
+                                                                 layer.mlp.experts.linear_fc2)]
+    model.set_is_first_microbatch(), step()
+    cached = [lin._cache for lin in linears]
+    assert all(c is not None for c in cached)
+    step()  # the step's second micro-batch reuses the cache
+    assert all(lin._cache is c for lin, c in zip(linears, cached))
+    ddp.finish_grad_sync()
+    assert all(lin._cache is None for lin in linears)
+    step()  # False without a cache: quantized again, and cached for the step's later micro-batches
+    assert all(lin._cache is not None for lin in linears)
+
+
 @requires_cuda
 def test_gpu_initialisation_matches_megatron_experts(world_of_one):
     """On the GPU the FP8-Flow block draws its weights as Megatron's SequentialMLP experts do, so a stock

@@ -141,6 +141,14 @@ class FP8FlowMoE(nn.Module):
         for linear in (self.linear_fc1, self.linear_fc2):
             linear.drop_prefetched_fp8_weights()
 
+    def reset_fp8_weight_cache(self) -> None:
+        """Drop the FP8 weights fc1 and fc2 cached with ``is_first_microbatch=True`` (and any prefetched): one
+        byte per expert parameter, stale once the weights change (``GroupedLinear.reset_fp8_weight_cache``).
+        Megatron's DDP calls it when a step's gradients are final, before the optimizer step
+        (``megatron_patches.experts.patch_finish_grad_sync``)."""
+        for linear in (self.linear_fc1, self.linear_fc2):
+            linear.reset_fp8_weight_cache()
+
     def experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert,
                 is_first_microbatch: Optional[bool] = None):
         """Received ``hidden [R, H]`` (1x128 FP8), local ``topk_ids``/``topk_probs [R, k]`` and
