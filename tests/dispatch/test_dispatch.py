@@ -5,6 +5,7 @@ world of one in this process; byte ratio; bad input. deepep runs the same cases 
 
 import json
 import os
+import sys
 import traceback
 from datetime import timedelta
 
@@ -23,6 +24,7 @@ from transformer_engine_moe.dispatch import (
     dispatch_payload_bytes,
     get_dispatcher,
 )
+from transformer_engine_moe.dispatch.base import slots_per_expert
 
 WORLD = 4
 EP_SIZES = [2, 4]
@@ -412,6 +414,35 @@ def test_get_dispatcher_names_and_arguments(world_of_one):
         get_dispatcher("local", num_experts=4, recipe=FP8FlowRecipe())
     grad_dtype = get_dispatcher("alltoall", num_experts=4, recipe=FP8FlowRecipe(fp8_format=Format.HYBRID)).grad_quantizer.dtype
     assert grad_dtype == torch.float8_e5m2
+
+
+def test_deepep_runs_before_host_wait_after_its_dispatch(world_of_one, monkeypatch):
+    """DeepEP's dispatch makes its communication stream wait for the caller's, then waits on the host for its
+    counts: ``before_host_wait`` runs after that dispatch (GPU work queued before it would lengthen the wait),
+    once. A stand-in ``deep_ep`` for one rank (it receives what it sends) records the order of the calls."""
+    import types
+
+    calls = []
+
+    class Buffer:
+        def __init__(self, group, num_nvl_bytes, num_rdma_bytes):
+            pass
+
+        def get_dispatch_layout(self, topk_idx, num_experts):
+            calls.append("layout")
+            in_rank = (topk_idx >= 0).any(1, keepdim=True)
+            return in_rank.sum(0), None, slots_per_expert(topk_idx, num_experts), in_rank, None
+
+        def dispatch(self, x, num_tokens_per_expert, topk_idx, topk_weights, **layout):
+            calls.append("dispatch")
+            return x, topk_idx, topk_weights, num_tokens_per_expert.tolist(), "handle", None
+
+    monkeypatch.setitem(sys.modules, "deep_ep", types.SimpleNamespace(Buffer=Buffer))
+    x, ids, probs = _inputs()
+    res = get_dispatcher("deepep", world_of_one, num_experts=4).dispatch(x, ids, probs,
+                                                                         lambda: calls.append("before_host_wait"))
+    assert calls == ["layout", "dispatch", "before_host_wait"]
+    assert res.tokens_per_expert == get_dispatcher("local", num_experts=4).dispatch(x, ids, probs).tokens_per_expert
 
 
 def test_deepep_needs_deep_ep():

@@ -126,8 +126,8 @@ class TokenDispatcher(abc.ABC):
         ``before_host_wait``: called once, with no arguments, after the dispatcher has queued the work
         whose result the host waits for (the per-expert counts) and before it waits (``host_list``):
         GPU work it queues runs while the host waits, and then while the host issues what follows.
-        FP8FlowMoE queues its weight quantization there. DeepEP waits inside its own dispatch: there
-        it is called before that dispatch."""
+        FP8FlowMoE queues its weight quantization there. DeepEP waits inside its own dispatch, after
+        its communication stream has waited for the caller's: there it is called after that dispatch."""
 
     @abc.abstractmethod
     def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:

@@ -47,6 +47,10 @@ class DeepEPTokenDispatcher(ExchangeTokenDispatcher):
     DeepEP maps ids to local ones on the receiver. Host sync: DeepEP's own, inside a fresh
     dispatch (it waits for the received counts to size its outputs and to return
     ``num_recv_tokens_per_expert_list``); combine and both backward passes reuse the handle.
+    That wait comes after DeepEP's communication stream has waited for the caller's stream, so
+    ``before_host_wait`` runs right after the dispatch returns: queued before it, its GPU work
+    would lengthen the host's wait; queued after, the GPU runs it while the host issues what
+    follows (the all-to-all backend runs it during its wait).
     ``last_dispatch_bytes`` reads the rows sent from the device when it is read.
 
     Args: ``num_experts``; ``ep_group`` (None: the default group); ``recipe`` (see
@@ -62,14 +66,14 @@ class DeepEPTokenDispatcher(ExchangeTokenDispatcher):
         self.buffer = deep_ep.Buffer(group, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes)
 
     def _dispatch(self, rows: Rows, topk_ids: torch.Tensor, topk_probs: torch.Tensor, before_host_wait=None):
-        if before_host_wait is not None:  # DeepEP's dispatch waits for its counts inside: queued ahead of it
-            before_host_wait()
         per_rank, per_rdma_rank, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk_ids, self.num_experts)
         recv_x, recv_ids, recv_probs, tokens_per_expert, handle, _ = self.buffer.dispatch(
             _as_x(rows), num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma_rank,
             is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_ids,
             topk_weights=topk_probs,
         )
+        if before_host_wait is not None:  # after: DeepEP's host wait also waits for the work queued before it
+            before_host_wait()
         layout = DeepEPLayout(handle, per_rank.sum())
         self._record_dispatch(layout.num_sent, rows[0].shape[1], topk_ids.shape[1], rows[1] is not None)
         return _as_rows(recv_x), recv_ids, recv_probs, list(tokens_per_expert), layout
