@@ -198,6 +198,40 @@ def test_weights_are_quantized_during_dispatch(monkeypatch, dispatcher, flag):
         assert all(torch.equal(u, v) for u, v in zip(us, vs))
 
 
+@pytest.mark.parametrize("recompute", [None, "moe_expert"])
+def test_cached_weights_are_transposed_during_dispatch(monkeypatch, recompute):
+    """Reusing the cache (``is_first_microbatch=False``): the forward's W comes from the cached W^T by a byte
+    transpose, queued inside dispatch (its ``before_host_wait``) as a first micro-batch's quantization is: fc1's
+    and fc2's, or fc2's alone under ``moe_expert`` (fc1's cache holds W; its backward transposes). Output and
+    gradients are bit for bit the caching step's."""
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
+
+    block, _ = pair(recompute=recompute)
+    x, ids, probs = batch(5)
+    flags, real_forward = [True, False], block.forward_topk
+    monkeypatch.setattr(block, "forward_topk", lambda *a: real_forward(*a, is_first_microbatch=flags.pop(0)))
+    first = step(block, x, ids, probs)
+    in_dispatch, where = [False], []
+    real_t, real_dispatch = grouped_linear.transpose_grouped_weight, block.dispatch
+
+    def dispatch(*a):
+        in_dispatch[0] = True
+        try:
+            return real_dispatch(*a)
+        finally:
+            in_dispatch[0] = False
+
+    monkeypatch.setattr(grouped_linear, "transpose_grouped_weight",
+                        lambda *a, **kw: where.append("dispatch" if in_dispatch[0] else "after") or real_t(*a, **kw))
+    monkeypatch.setattr(block, "dispatch", dispatch)
+    reused = step(block, x, ids, probs)
+    assert where == (["dispatch", "dispatch"] if recompute is None else ["dispatch", "after"])
+    for u, v in zip(first[:3], reused[:3]):
+        assert torch.equal(u, v)
+    for us, vs in zip(first[3:5], reused[3:5]):
+        assert all(torch.equal(u, v) for u, v in zip(us, vs))
+
+
 @pytest.mark.parametrize("phase", ["dispatch", "experts"])
 def test_weights_prefetched_by_a_forward_that_raised_are_dropped(monkeypatch, phase):
     """A forward that fails after the weights were prefetched (in dispatch's host wait, or in the experts

@@ -20,10 +20,10 @@ transpose; no fc2 GEMM, ``routed_experts``); nothing is re-dispatched. A forward
 the rerun quantizes fc1's weights again.
 
 Host syncs: by default the dispatcher hands ``experts`` host counts per expert (one device-to-host
-copy per step): buffers are sized exactly and every GEMM backend may run. Unless a cache is reused
-(``is_first_microbatch=False``), the weights' quantization is queued while the host waits for that
-copy (``dispatch``'s ``before_host_wait``, ``prefetch_fp8_weights``): the GPU runs it through the
-wait and while the host issues what follows. ``device_splits=True`` (local dispatcher) keeps the counts on the device:
+copy per step): buffers are sized exactly and every GEMM backend may run. The weights' quantization
+(reusing a cache, ``is_first_microbatch=False``: the byte transpose that gives W from the cached W^T)
+is queued while the host waits for that copy (``dispatch``'s ``before_host_wait``,
+``prefetch_fp8_weights``): the GPU runs it through the wait and while the host issues what follows. ``device_splits=True`` (local dispatcher) keeps the counts on the device:
 permute writes a worst-case buffer, the GEMMs take device splits (``auto``: DeepGEMM fprop/dgrad
 where installed, Triton wgrad), and the block runs forward and backward without a host sync, so it
 can be captured in a CUDA graph and replayed with other routings (docs/moe.md, CUDA graphs).
@@ -171,7 +171,7 @@ class FP8FlowMoE(nn.Module):
 
     def routed_experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert,
                        is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        """``experts`` with its FP8 weights prefetched (unless a cache is reused: ``prefetch_fp8_weights``),
+        """``experts`` with its FP8 weights prefetched (``prefetch_fp8_weights``: a no-op after ``dispatch``'s),
         inside the ``moe_expert`` recompute when set.
 
         ``moe_expert``: permute -> fc1 -> SwiGLU -> fc2 run under a non-reentrant checkpoint that keeps only
@@ -182,8 +182,7 @@ class FP8FlowMoE(nn.Module):
         or quantizes W alone again (None: backward takes the W^T the first pass kept; the rerun's own
         autograd state is dropped)."""
         try:
-            if is_first_microbatch is not False:
-                self.prefetch_fp8_weights(is_first_microbatch)
+            self.prefetch_fp8_weights(is_first_microbatch)
             if self.recompute != "moe_expert":
                 return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
             y, row_id_map, pad_offsets = torch.utils.checkpoint.checkpoint(
@@ -262,8 +261,9 @@ class FP8FlowMoE(nn.Module):
         for name, t in (("hidden", hidden), ("topk_ids", topk_ids), ("topk_probs", topk_probs)):
             if t.device != device:
                 raise ValueError(f"{name} is on {t.device}, the block's parameters on {device}: move one of them")
-        # The weights' quantization (unless a cache is reused) is queued while the host waits for the dispatch's
-        # counts: the GPU runs it then, and while the host issues the permute after the wait (it would idle there).
+        # The weights' quantization (reusing a cache: W's byte transpose from the cached W^T) is queued while the
+        # host waits for the dispatch's counts: the GPU runs it then, and while the host issues the permute after
+        # the wait (it would idle there).
         # (in the forward's grad mode: a dispatcher may call it inside its autograd Function's forward)
         grad = torch.is_grad_enabled()
 
@@ -271,7 +271,6 @@ class FP8FlowMoE(nn.Module):
             with torch.set_grad_enabled(grad):
                 self.prefetch_fp8_weights(is_first_microbatch)
 
-        prefetch = None if is_first_microbatch is False else prefetch
         try:
             res = self.dispatch(self.quantize(hidden), topk_ids, topk_probs.float(), prefetch)
         except BaseException:  # weights prefetched for a forward that raised are never used later
