@@ -11,9 +11,11 @@ alone: ``bench_dispatch.py``.
 Each run first checks correctness at a small size (hidden 512, 16 experts): every rank's block output and
 input gradient against an EP=1 block holding all experts (same parameters), on the same tokens.
 
-Run on a multi-GPU machine: ``python benchmarks/bench_ep_scaling.py [--check-only]``; ``--cpu [--world N]`` runs
-the same script over gloo on CPU processes (the correctness check, and timings at toy sizes that mean nothing).
-Writes ``bench_ep_scaling_check_ep{N}[_cpu]`` and ``bench_ep_scaling_ep{N}[_cpu]``.
+Run on a multi-GPU machine: ``python benchmarks/bench_ep_scaling.py [--check-only] [--tokens T]``; ``--cpu
+[--world N]`` runs the same script over gloo on CPU processes (the correctness check, and timings at toy sizes
+that mean nothing). ``--tokens``: tokens per rank of the block step (rows per local expert = T * 8 / 128 at
+EP=2: 16384 gives the 1024 rows per expert that 8192 tokens per rank give at EP=4).
+Writes ``bench_ep_scaling_check_ep{N}[_cpu]`` and ``bench_ep_scaling_ep{N}[_cpu][_tokens{T}]``.
 """
 
 from __future__ import annotations
@@ -85,9 +87,11 @@ def check_rows(backend, ep, rank, device) -> list[dict]:
                  dgrad_rel_err=rel(out[0][1], out[1][1]))]
 
 
-def worker(rank: int, world: int, cpu: bool, check_only: bool) -> tuple[list[dict], list[dict], dict]:
-    """Every rank's correctness rows (gathered) and this rank's block rows."""
-    device, z = utils.ep_device(rank, cpu), CPU_SIZES if cpu else GPU_SIZES
+def worker(rank: int, world: int, cpu: bool, check_only: bool, tokens) -> tuple[list[dict], list[dict], dict]:
+    """Every rank's correctness rows (gathered) and this rank's block rows (``tokens`` per rank, None: the
+    sizes' default)."""
+    device, z = utils.ep_device(rank, cpu), dict(CPU_SIZES if cpu else GPU_SIZES)
+    z["block_tokens"] = tokens or z["block_tokens"]
     backends = ["alltoall"] + (["deepep"] if not cpu and importlib.util.find_spec("deep_ep") else [])
     c_rows, b_rows = [], []
     for backend in backends:
@@ -102,9 +106,13 @@ def worker(rank: int, world: int, cpu: bool, check_only: bool) -> tuple[list[dic
 def main():
     parser = utils.ep_parser(__doc__.splitlines()[0])
     parser.add_argument("--check-only", action="store_true", help="only the correctness check against EP=1")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per rank of the block step (default: 8192 on GPUs, 64 with --cpu)")
     args = parser.parse_args()
+    if args.tokens is not None and args.tokens <= 0:
+        parser.error(f"--tokens must be a positive number of tokens per rank, got {args.tokens}")
     (c_rows, b_rows, z), env, ceilings, world, suffix = utils.ep_run(worker, args, __doc__.splitlines()[0],
-                                                                      args.check_only)
+                                                                      args.check_only, args.tokens)
     worst = max(max(r["output_rel_err"], r["dgrad_rel_err"]) for r in c_rows)
     if worst > 1e-2:
         raise SystemExit(f"EP={world} differs from EP=1 by {worst:.3g} (> 1e-2): {c_rows}")
@@ -115,7 +123,8 @@ def main():
     print(utils.write_results(f"bench_ep_scaling_check_ep{world}{suffix}", f"EP={world} vs EP=1", env, ceilings,
                               c_rows, list(c_rows[-1]), notes=notes).read_text())
     if b_rows:  # not with --check-only
-        print(utils.write_results(f"bench_ep_scaling_ep{world}{suffix}", f"MoE block forward+backward, EP={world}",
+        tokens = f"_tokens{args.tokens}" if args.tokens else ""
+        print(utils.write_results(f"bench_ep_scaling_ep{world}{suffix}{tokens}", f"MoE block forward+backward, EP={world}",
                                   env, ceilings, b_rows, list(b_rows[-1]), notes=notes).read_text())
 
 
