@@ -76,7 +76,7 @@ def worker(rank: int, world: int, cpu: bool) -> tuple[list[dict], dict]:
 
 def main():
     args = utils.ep_parser(__doc__.splitlines()[0]).parse_args()
-    (rows, z), env, ceilings, world, suffix = utils.ep_run(worker, args, __doc__.splitlines()[0])
+    (rows, z), env, ceilings, world, suffix = utils.ep_run(worker, args)
     where = "gloo on CPU processes: toy sizes, timings meaningless" if args.cpu else "NCCL_NVLS_ENABLE=0"
     notes = (f"hidden {z['hidden']}, {z['experts']} experts over EP={world}, top-{z['topk']}; FP8 time includes the "
              f"1x128 quantization; {where}. Rank 0's timings.")

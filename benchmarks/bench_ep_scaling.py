@@ -111,8 +111,7 @@ def main():
     args = parser.parse_args()
     if args.tokens is not None and args.tokens <= 0:
         parser.error(f"--tokens must be a positive number of tokens per rank, got {args.tokens}")
-    (c_rows, b_rows, z), env, ceilings, world, suffix = utils.ep_run(worker, args, __doc__.splitlines()[0],
-                                                                      args.check_only, args.tokens)
+    (c_rows, b_rows, z), env, ceilings, world, suffix = utils.ep_run(worker, args, args.check_only, args.tokens)
     worst = max(max(r["output_rel_err"], r["dgrad_rel_err"]) for r in c_rows)
     if worst > 1e-2:
         raise SystemExit(f"EP={world} differs from EP=1 by {worst:.3g} (> 1e-2): {c_rows}")

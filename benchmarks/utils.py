@@ -92,12 +92,16 @@ def start(description: str, sweep_help: str | None = None):
     parser = argparse.ArgumentParser(description=description)
     if sweep_help:
         parser.add_argument("--sweep", action="store_true", help=sweep_help)
-    args = parser.parse_args()
+    return (parser.parse_args(), *measure_machine())
+
+
+def measure_machine():
+    """``(env, ceilings, copy_tbps)``: the environment and the copy-bandwidth ceiling (printed)."""
     env = environment()
     copy_tbps = copy_bandwidth_tbps()
     ceilings = {"copy_bandwidth_tbps (1 GiB, read+write)": copy_tbps}
     print(env, ceilings)
-    return args, env, ceilings, copy_tbps
+    return env, ceilings, copy_tbps
 
 
 def environment() -> dict:
@@ -163,14 +167,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ep_run(worker: Callable, args, description: str, *worker_args):
+def ep_run(worker: Callable, args, *worker_args):
     """Run ``worker(rank, world, cpu, *worker_args)`` on every EP rank, one process each: every visible GPU
     (NCCL), or ``args.world`` CPU processes (gloo) with ``args.cpu``. Returns ``(what rank 0's worker
     returned, env, ceilings, world, file suffix)``."""
     if args.cpu:
         env, ceilings, world = {"device": "CPU (gloo)", "torch": torch.__version__}, {}, args.world
     else:
-        _, env, ceilings, _ = start(description)
+        env, ceilings, _ = measure_machine()  # the script parsed its own command line
         world = torch.cuda.device_count()
     env["ep_size"] = world
     port = free_port()
