@@ -123,8 +123,9 @@ def main():
                               c_rows, list(c_rows[-1]), notes=notes).read_text())
     if b_rows:  # not with --check-only
         tokens = f"_tokens{args.tokens}" if args.tokens else ""
-        print(utils.write_results(f"bench_ep_scaling_ep{world}{suffix}{tokens}", f"MoE block forward+backward, EP={world}",
-                                  env, ceilings, b_rows, list(b_rows[-1]), notes=notes).read_text())
+        print(utils.write_results(f"bench_ep_scaling_ep{world}{suffix}{tokens}",
+                                  f"MoE block forward+backward, EP={world}", env, ceilings, b_rows, list(b_rows[-1]),
+                                  notes=notes).read_text())
 
 
 if __name__ == "__main__":

@@ -23,10 +23,11 @@ Host syncs: by default the dispatcher hands ``experts`` host counts per expert (
 copy per step): buffers are sized exactly and every GEMM backend may run. The weights' quantization
 (reusing a cache, ``is_first_microbatch=False``: the byte transpose that gives W from the cached W^T)
 is queued while the host waits for that copy (``dispatch``'s ``before_host_wait``,
-``prefetch_fp8_weights``): the GPU runs it through the wait and while the host issues what follows. ``device_splits=True`` (local dispatcher) keeps the counts on the device:
-permute writes a worst-case buffer, the GEMMs take device splits (``auto``: DeepGEMM fprop/dgrad
-where installed, Triton wgrad), and the block runs forward and backward without a host sync, so it
-can be captured in a CUDA graph and replayed with other routings (docs/moe.md, CUDA graphs).
+``prefetch_fp8_weights``): the GPU runs it through the wait and while the host issues what follows.
+``device_splits=True`` (local dispatcher) keeps the counts on the device: permute writes a worst-case
+buffer, the GEMMs take device splits (``auto``: DeepGEMM fprop/dgrad where installed, Triton wgrad),
+and the block runs forward and backward without a host sync, so it can be captured in a CUDA graph
+and replayed with other routings (docs/moe.md, CUDA graphs).
 """
 
 from __future__ import annotations
