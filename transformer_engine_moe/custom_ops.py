@@ -27,7 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 
-from .layout import MSplits, columnwise_data_shape, num_column_blocks
+from .layout import columnwise_data_shape, num_column_blocks
 from .recipe import BLOCK_SIZE
 
 

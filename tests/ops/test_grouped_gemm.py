@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import CUDA, KERNEL_DEVICE, requires_cuda
-from transformer_engine_moe import Float8BlockwiseQTensor, quantize_blockwise, scaling_aware_transpose
+from transformer_engine_moe import quantize_blockwise, scaling_aware_transpose
 from transformer_engine_moe.ops.grouped_gemm import (CUBLAS_MIN_WEIGHT, _impl, cublas_pays, grouped_gemm,
                                                      grouped_gemm_wgrad)
 from transformer_engine_moe.ops.transpose import transpose_grouped_weight
