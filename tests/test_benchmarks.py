@@ -60,3 +60,20 @@ def test_bench_host_time_steps_every_block_on_the_cpu(monkeypatch):
         host, wall = bench.host_and_wall_ms(step, 2, lambda: None)
         assert 0 < host <= wall, name
         assert all(p.grad is not None for p in block.parameters()), name
+
+
+def test_ep_run_on_gpus_leaves_the_command_line_to_the_script(monkeypatch):
+    """On GPUs ``ep_run`` measures the machine without parsing ``sys.argv`` again: it once re-parsed it with a
+    bare parser, so a script's own flags (``bench_ep_scaling.py --tokens``) stopped it there."""
+    import argparse
+    import sys
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import utils
+
+    monkeypatch.setattr(sys, "argv", ["bench_ep_scaling.py", "--tokens", "16384"])
+    monkeypatch.setattr(utils, "measure_machine", lambda: ({"device": "stub"}, {}, 0.0))
+    monkeypatch.setattr(utils.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(utils.mp, "spawn", lambda fn, args, nprocs, join: args[2].put((nprocs, args[5])))
+    out, env, _, world, suffix = utils.ep_run(lambda *a: None, argparse.Namespace(cpu=False, world=4), "extra")
+    assert out == (2, ("extra",)) and world == env["ep_size"] == 2 and suffix == ""
