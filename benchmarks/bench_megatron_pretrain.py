@@ -26,7 +26,10 @@ on a step's first micro-batch, would never be reused.
 
 Per run: tokens/s per GPU (global batch x sequence / mean iteration time after the warm-up / GPUs), max
 allocated memory (Megatron's memory report, MiB), final loss (mean of the last quarter of logged losses),
-the log's ``experts:`` line (which GEMM backends ran). Each run is one ``torchrun`` bounded by
+the log's ``experts:`` line (which GEMM backends ran). ``--repeats R`` runs the variants R times, interleaved
+(v1, v2, ..., v1, v2, ...), and each row gives the median tokens/s and iteration time of its runs with their
+spread: on one machine the same run varied by +-7% between calls (docs/megatron.md), more than the expert
+kernels move these iterations. Each run is one ``torchrun`` bounded by
 ``--run-timeout`` (killed with its workers, reported as timed out); results accumulate in
 ``benchmarks/results/bench_megatron_pretrain_ep{N}.json`` / ``.md`` across invocations, written after every
 run, so the runs can be spread over several calls:
@@ -42,6 +45,7 @@ import os
 import pathlib
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -158,6 +162,22 @@ def outcome(status: str, out: str, tokens_per_iter: int, gpus: int) -> dict:
     return row
 
 
+def combine(runs: list[dict]) -> dict:
+    """One row from a variant's runs in this invocation: the last run that finished (else the last run), with
+    ``tokens_per_s_per_gpu`` and ``iter_ms`` the medians over the runs that finished (None if none did),
+    ``tokens_per_s_runs`` (None for a run that failed), ``repeats`` and ``tokens_per_s_spread`` ((max - min) /
+    median over the finished runs)."""
+    done = [r for r in runs if r.get("tokens_per_s_per_gpu") is not None]
+    row = dict(done[-1] if done else runs[-1], repeats=len(runs),
+               tokens_per_s_runs=[r.get("tokens_per_s_per_gpu") for r in runs])
+    if done:
+        speeds = [r["tokens_per_s_per_gpu"] for r in done]
+        median = statistics.median(speeds)
+        row.update(tokens_per_s_per_gpu=median, iter_ms=statistics.median(r["iter_ms"] for r in done),
+                   tokens_per_s_spread=(max(speeds) - min(speeds)) / median)
+    return row
+
+
 def run(cmd: list[str], timeout: float, extra_env: Optional[dict] = None) -> tuple[str, str]:
     """``(status, output)`` of ``cmd`` from the repository root, ``extra_env`` added to its environment; past
     ``timeout`` seconds the whole process group (torchrun and its workers) is killed: status ``timed out``. The group is also killed when this
@@ -183,7 +203,11 @@ def main():
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--train-iters", type=int, default=40)
     parser.add_argument("--run-timeout", type=float, default=540, help="seconds per run, torchrun included")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per variant, interleaved across the variants; rows give the median tokens/s")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {args.repeats}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # runs run()'s cleanup
     gpus = torch.cuda.device_count()
     env = dict(utils.environment(), gpus=gpus, expert_model_parallel_size=gpus,
@@ -193,7 +217,8 @@ def main():
     stored = utils.RESULTS_DIR / f"{name}.json"
     rows = {(r["config"], r["variant"]): r for r in json.loads(stored.read_text())["results"]} if stored.exists() else {}
     seq = int(COMMON[COMMON.index("--seq-length") + 1])
-    for variant in args.variants:
+    runs = {variant: [] for variant in args.variants}
+    for variant in [v for _ in range(args.repeats) for v in args.variants]:
         cmd = command(args.config, variant, gpus, args.train_iters)
         began = time.perf_counter()
         status, out = run(cmd, args.run_timeout)
@@ -205,22 +230,25 @@ def main():
         row.update(outcome(status, out, gpus * MICRO_BATCHES * seq, gpus))
         print(variant, status, {k: row.get(k) for k in ("tokens_per_s_per_gpu", "max_allocated_mib", "final_loss")},
               flush=True)
-        rows[args.config, variant] = row
+        runs[variant].append(row)
+        rows[args.config, variant] = combine(runs[variant])
         path = write(list(rows.values()), env, gpus, seq)  # after every run: a call cut short keeps the runs done
     print(path.read_text())
 
 
 def write(rows: list[dict], env: dict, gpus: int, seq: int):
     """``rows`` -> ``bench_megatron_pretrain_ep{gpus}`` .json / .md / .png under benchmarks/results; the .md path."""
-    columns = ["config", "variant", "device", "status", "micro_batches", "tokens_per_s_per_gpu", "iter_ms",
-               "max_allocated_mib", "reserved_peak_mib", "alloc_retries", "final_loss", "wall_s", "allocator",
-               "experts", "error"]
+    columns = ["config", "variant", "device", "status", "micro_batches", "tokens_per_s_per_gpu", "repeats",
+               "tokens_per_s_spread", "iter_ms", "max_allocated_mib", "reserved_peak_mib", "alloc_retries",
+               "final_loss", "wall_s", "allocator", "experts", "error"]
     notes = (f"EP = {gpus} GPUs, TransformerEngine absent (--transformer-impl local: attention and dense layers BF16), "
              f"mock data, sequence {seq}, `micro_batches` micro-batches of one sequence per GPU per iteration; "
              f"timing excludes the first {WARMUP_ITERS} iterations. `allocator`: the CUDA caching allocator's "
              "settings of the run, when any were set; `alloc_retries` / `reserved_peak_mib`: its retries (each "
              "frees every cached block and synchronizes) and reserved peak at the end, the most of any rank "
-             "(empty in rows from before they were recorded). "
+             "(empty in rows from before they were recorded). `tokens_per_s_per_gpu`, `iter_ms`: medians over the "
+             "row's `repeats` runs (interleaved with the other variants' in one call; empty: one run, before "
+             "repeats were recorded), `tokens_per_s_spread`: (max - min) / median. "
              "Rows are kept across runs (one config per run): compare rows of one device and one micro_batches only. "
              "Commands: the `command` field of each row in the JSON; docs/megatron.md.")
     path = utils.write_results(f"bench_megatron_pretrain_ep{gpus}",

@@ -153,3 +153,39 @@ def test_an_interrupted_benchmark_kills_the_running_group(tmp_path, monkeypatch)
         bench.run(["bash", "-c", f"(sleep 2; touch {marker}) & sleep 30"], timeout=60)
     time.sleep(3)
     assert not marker.exists()
+
+
+def test_repeats_interleave_the_variants_and_rows_take_the_median(tmp_path, monkeypatch):
+    """``--repeats 3``: the variants run in turn three times (a slow spell of the machine hits every variant),
+    each row gives the median tokens/s and iteration time of its finished runs with their spread; a failed run
+    counts in ``repeats`` and ``tokens_per_s_runs`` but not in the median."""
+    order, speeds = [], {"bf16_grouped_mm": [100.0, 120.0, 110.0], "fp8_flow_alltoall": [90.0, None, 130.0]}
+
+    def fake_run(cmd, timeout):
+        variant = "fp8_flow_alltoall" if "--moe-fp8-flow" in cmd else "bf16_grouped_mm"
+        order.append(variant)
+        speed = speeds[variant][len([v for v in order if v == variant]) - 1]
+        return ("ok" if speed else "exit 1"), speed
+
+    def fake_outcome(status, speed, tokens_per_iter, gpus):
+        return dict(tokens_per_s_per_gpu=speed, iter_ms=1e3 / speed if speed else None, final_loss=1.0)
+
+    written = []
+    monkeypatch.setattr(bench, "run", fake_run)
+    monkeypatch.setattr(bench, "outcome", fake_outcome)
+    monkeypatch.setattr(bench, "write", lambda rows, *a: written.append(rows) or tmp_path / "r.md")
+    monkeypatch.setattr(bench.utils, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(bench.utils, "environment", lambda: {"device": "stub"})
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 2)
+    (tmp_path / "r.md").write_text("")
+    monkeypatch.setattr(sys, "argv", ["bench", "--variants", "bf16_grouped_mm", "fp8_flow_alltoall", "--repeats", "3"])
+    bench.main()
+    assert order == ["bf16_grouped_mm", "fp8_flow_alltoall"] * 3
+    bf16, fp8 = written[-1]
+    assert (bf16["repeats"], bf16["tokens_per_s_per_gpu"]) == (3, 110.0)
+    assert bf16["tokens_per_s_runs"] == [100.0, 120.0, 110.0]
+    assert bf16["tokens_per_s_spread"] == pytest.approx(20 / 110) and bf16["iter_ms"] == pytest.approx(1e3 / 110)
+    assert (fp8["repeats"], fp8["tokens_per_s_per_gpu"], fp8["tokens_per_s_runs"]) == (3, 110.0, [90.0, None, 130.0])
+    assert fp8["status"] == "ok" and fp8["tokens_per_s_spread"] == pytest.approx(40 / 110)
+    assert bench.combine([dict(tokens_per_s_per_gpu=None, status="timed out")]) == dict(
+        tokens_per_s_per_gpu=None, status="timed out", repeats=1, tokens_per_s_runs=[None])
