@@ -21,8 +21,8 @@ step at 64 experts on an H200, in every block). Blocks, all with the same parame
 
 Reports step time (``fp8_flow`` and ``fp8_flow+moe_expert`` also without the FP8 weight cache, as
 Megatron's ``--disable-parameter-transpose-cache``), peak memory above the inputs, activation bytes kept
-for backward, and (``--profile``) where the GPU time of the ``fp8_flow`` step and of the ``fp8_flow_graph_auto`` replay goes at the given
-expert counts: GEMMs vs the rest, by kernel. Writes a PNG.
+for backward, and (``--profile``) where the GPU time of the ``fp8_flow`` step and of the
+``fp8_flow_graph_auto`` replay goes at the given expert counts: GEMMs vs the rest, by kernel. Writes a PNG.
 
 Run on a GPU: ``python benchmarks/bench_moe_layer.py [--experts 8 32 64 128] [--profile 64 128] [--suffix _h200]``
 (``--experts`` with no count: the profile alone).

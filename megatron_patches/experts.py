@@ -39,7 +39,9 @@ class ExpertBlock(Protocol):
     dtype of ``hidden_states``: the probability-weighted sum of each token's experts, gathered
     back from whichever expert-parallel rank computed them. ``is_first_microbatch``: TE's FP8
     weight-cache flag (None: no cache). Parameters live in ``linear_fc1`` / ``linear_fc2`` as
-    ``weight0..weight{num_local_experts-1}`` (TE's GroupedLinear names).
+    ``weight0..weight{num_local_experts-1}`` (TE's GroupedLinear names). Optional:
+    ``reset_fp8_weight_cache()``, which drops what ``is_first_microbatch=True`` cached
+    (``FP8FlowMoELayer.reset_fp8_weight_cache`` calls it where the block has it).
     """
 
     def __call__(
