@@ -13,7 +13,7 @@ Backends: ``deepgemm`` (when installed), ``cublas`` (one ``torch._scaled_mm`` pe
 (device-tensor splits, no host sync), and ``bf16`` (``torch._grouped_mm``). Every FP8 output is checked
 against the float32 reference before it is timed. ``auto`` marks the backend ``ops.grouped_gemm`` picks.
 
-Run on a GPU: ``python benchmarks/bench_grouped_gemm.py [--rows 512 1024 ...] [--sweep]``.
+Run on a GPU: ``python benchmarks/bench_grouped_gemm.py [--rows 512 1024 ...] [--ops ...] [--sweep] [--suffix _h200]``.
 """
 
 from __future__ import annotations
@@ -147,6 +147,8 @@ def main():
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--ops", nargs="+", default=["fprop", "dgrad", "wgrad", "wgrad_main_grad"])
     parser.add_argument("--sweep", action="store_true", help="also sweep the Triton fprop kernel's launch shapes")
+    parser.add_argument("--suffix", default="",
+                        help="appended to the results' name (e.g. _h200: bench_grouped_gemm_h200 for a second GPU)")
     args = parser.parse_args()
     env = utils.environment()
     ceil = {"copy_bandwidth_tbps (1 GiB, read+write)": utils.copy_bandwidth_tbps()}
@@ -157,8 +159,8 @@ def main():
         print(path.read_text())
     results = [r for rows in args.rows for gemm in GEMMS for r in run(rows, gemm, args.ops)]
     path = utils.write_results(
-        "bench_grouped_gemm", "Grouped blockwise FP8 GEMMs per backend vs BF16 grouped_mm (TFLOP/s)", env, ceil,
-        results, ["rows_per_expert", "experts", "gemm", "op", "backend", "tflops", "ms", "auto"],
+        f"bench_grouped_gemm{args.suffix}", "Grouped blockwise FP8 GEMMs per backend vs BF16 grouped_mm (TFLOP/s)",
+        env, ceil, results, ["rows_per_expert", "experts", "gemm", "op", "backend", "tflops", "ms", "auto"],
         notes=(f"fc1: N=4096, K=7168; fc2: N=7168, K=2048; {TOTAL_ROWS} rows (at most {MAX_EXPERTS} experts). "
                f"Triton launch shapes: fprop/dgrad {kg.GEMM_CONFIG} (BLOCK_N, GROUP_M, warps, stages), wgrad "
                f"{kg.WGRAD_CONFIG} (BLOCK_N, BLOCK_K, warps, stages). auto=yes: the backend ops.grouped_gemm "
