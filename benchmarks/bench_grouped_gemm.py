@@ -6,6 +6,8 @@ experts, 65536 rows). Equal splits, each a multiple of 512 so that every backend
 
 - ``fprop`` ``Y = X W_g^T`` and ``dgrad`` ``dX = dY W_g``: BF16 out;
 - ``wgrad`` ``dW_g = dY_g^T X_g``: written in BF16 (GroupedLinear without ``main_grad`` fusion);
+- ``wgrad_fp32``: written into a float32 ``[G, N, K]`` buffer (Megatron-FSDP's ``overwrite_main_grad``);
+  BF16's row is ``main_grad.copy_(grouped_mm(...))``;
 - ``wgrad_main_grad``: accumulated into a float32 ``[G, N, K]`` buffer (Megatron's ``main_grad``);
   BF16's row is ``main_grad += grouped_mm(...)``.
 
@@ -66,6 +68,7 @@ def calls(o, backend):
         "fprop": lambda: grouped_gemm(o["xq"], o["w"], s, backend=backend),
         "dgrad": lambda: grouped_gemm(o["dyq"], o["wt"], s, backend=backend),
         "wgrad": lambda: grouped_gemm_wgrad(dyt, xt, s, out_dtype=torch.bfloat16, backend=backend),
+        "wgrad_fp32": lambda: grouped_gemm_wgrad(dyt, xt, s, out=o["acc"], backend=backend),
         "wgrad_main_grad": lambda: grouped_gemm_wgrad(dyt, xt, s, out=o["acc"], accumulate=True, backend=backend),
     }
 
@@ -76,7 +79,7 @@ def bf16_calls(o):
     wgrad = lambda: torch._grouped_mm(o["dy"].t(), o["x"], offs=offs)
     return {"fprop": lambda: torch._grouped_mm(o["x"], o["wb"].transpose(1, 2), offs=offs),
             "dgrad": lambda: torch._grouped_mm(o["dy"], o["wb"], offs=offs),
-            "wgrad": wgrad, "wgrad_main_grad": lambda: acc.add_(wgrad())}
+            "wgrad": wgrad, "wgrad_fp32": lambda: acc.copy_(wgrad()), "wgrad_main_grad": lambda: acc.add_(wgrad())}
 
 
 def references(o, ops):
@@ -84,16 +87,19 @@ def references(o, ops):
     fns = calls(o, "reference")
     fns["wgrad"] = lambda: grouped_gemm_wgrad(o["dyt"], o["xt"], o["splits"], out_dtype=torch.bfloat16,
                                               backend="reference")
-    return {op: fns[op]() for op in ("fprop", "dgrad", "wgrad") if op in ops}
+    refs = {op: fns[op]() for op in ("fprop", "dgrad", "wgrad") if op in ops or op == "wgrad" and "wgrad_fp32" in ops}
+    if "wgrad_fp32" in ops:
+        refs["wgrad_fp32"] = refs["wgrad"]  # the float32 write is checked against the same BF16-rounded reference
+    return refs
 
 
 def auto_backend(o, op, n, k) -> str:
     """The backend ``backend="auto"`` picks for ``op`` on these operands."""
     wgrad = op.startswith("wgrad")
     a = o["dyt"].columnwise_data if wgrad else (o["xq"] if op == "fprop" else o["dyq"]).rowwise_data
-    out = torch.float32 if op == "wgrad_main_grad" else torch.bfloat16
+    out = torch.float32 if op in ("wgrad_fp32", "wgrad_main_grad") else torch.bfloat16
     return _impl("auto", a, torch.float8_e4m3fn, o["splits"], k if op == "fprop" else n, out, op, wgrad=wgrad,
-                 weight_elements=n * k).name
+                 weight_elements=n * k, accumulate=op == "wgrad_main_grad").name
 
 
 def run(rows_per_expert, gemm, ops) -> list[dict]:
@@ -145,7 +151,7 @@ def sweep() -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--ops", nargs="+", default=["fprop", "dgrad", "wgrad", "wgrad_main_grad"])
+    parser.add_argument("--ops", nargs="+", default=["fprop", "dgrad", "wgrad", "wgrad_fp32", "wgrad_main_grad"])
     parser.add_argument("--sweep", action="store_true", help="also sweep the Triton fprop kernel's launch shapes")
     parser.add_argument("--suffix", default="",
                         help="appended to the results' name (e.g. _h200: bench_grouped_gemm_h200 for a second GPU)")

@@ -28,7 +28,7 @@ def gemm_backends(device: torch.device, backend: str = "auto") -> str:
 
     deepgemm = grouped_gemm_deepgemm.available(device)
     kinds = []
-    for kind, label in (("fprop", "fprop/dgrad"), ("wgrad", "wgrad")):
+    for kind, label in (("fprop", "fprop/dgrad"), ("wgrad", "wgrad"), ("wgrad_accumulate", "wgrad into main_grad")):
         order = [n for n in AUTO_ORDER[kind] if n != "deepgemm" or deepgemm]
         kinds.append(f"{label} " + " > ".join(
             _cublas(CUBLAS_MIN_MEAN_ROWS[kind], CUBLAS_MIN_WEIGHT) if n == "cublas" else _NAMES[n] for n in order))

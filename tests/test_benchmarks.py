@@ -42,8 +42,10 @@ def test_bench_grouped_gemm_names_the_backend_auto_picks(monkeypatch):
     import bench_grouped_gemm as bench
 
     o = bench.operands(2, 256, 128, 128, device="cpu")
-    assert [bench.auto_backend(o, op, 128, 128) for op in ("fprop", "dgrad", "wgrad", "wgrad_main_grad")] == \
-        ["reference"] * 4
+    ops = ("fprop", "dgrad", "wgrad", "wgrad_fp32", "wgrad_main_grad")
+    assert [bench.auto_backend(o, op, 128, 128) for op in ops] == ["reference"] * 5
+    refs = bench.references(o, ("wgrad_fp32",))
+    assert set(refs) == {"wgrad", "wgrad_fp32"} and refs["wgrad"] is refs["wgrad_fp32"]
 
 
 def test_bench_host_time_steps_every_block_on_the_cpu(monkeypatch):

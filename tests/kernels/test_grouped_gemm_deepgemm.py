@@ -80,9 +80,12 @@ def test_auto_picks_deepgemm_only_where_it_can_run():
     assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda")) == "deepgemm"
     assert pick(x.rowwise_data, E5M2, splits) != "deepgemm"  # HYBRID's E5M2 gradients
     assert pick(x.rowwise_data, E4M3, [300, 212, 0, 0]) != "deepgemm"  # groups not multiples of 128
-    assert pick(x.rowwise_data, E4M3, splits, torch.float32, wgrad=True) == "deepgemm"  # float32 / main_grad wgrad
-    assert pick(x.rowwise_data, E4M3, splits, wgrad=True) != "deepgemm"  # a BF16 wgrad: cuBLAS or Triton
-    assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda"), torch.float32, wgrad=True) != "deepgemm"
+    assert pick(x.rowwise_data, E4M3, splits, torch.float32, wgrad=True, accumulate=True) == "deepgemm"  # main_grad
+    # written, not added (BF16, or float32: overwrite_main_grad): DeepGEMM would zero and add; cuBLAS or Triton
+    assert pick(x.rowwise_data, E4M3, splits, wgrad=True) != "deepgemm"
+    assert pick(x.rowwise_data, E4M3, splits, torch.float32, wgrad=True) != "deepgemm"
+    assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda"), torch.float32, wgrad=True,
+                accumulate=True) != "deepgemm"
     with pytest.raises(ValueError, match="multiples of 128"):
         grouped_gemm(x, w, [300, 212, 0, 0], backend="deepgemm")
     _, wt5, _, dy5 = operands(splits, fp8=E5M2)

@@ -190,6 +190,38 @@ def test_main_grad_in_one_buffer_accumulated_in_place(order):
     assert not torch.equal(gl.weights[0].main_grad, torch.full((128, 256), 2.0, device=KERNEL_DEVICE))
 
 
+@pytest.mark.parametrize("layout", ["one_buffer", "reversed", "single_weight"])
+def test_overwrite_main_grad_writes_wgrad_over_it(layout):
+    """Weights with ``overwrite_main_grad`` (Megatron-FSDP) get wgrad written over their ``main_grad``, NaN
+    there included, in one buffer (in place), per expert, or as one grouped weight: bitwise what is added into
+    zeros; a zero-row expert's main_grad becomes zero."""
+    splits = [128, 0, 256]
+    single = layout == "single_weight"
+    gl, x = setup(splits, fuse_wgrad_accumulation=True, single_grouped_weight=single)
+    ref_gl, _ = setup(splits, fuse_wgrad_accumulation=True, single_grouped_weight=single)
+    ref_gl.load_state_dict(gl.state_dict())
+    buf = torch.full((3, 128, 256), float("nan"), device=KERNEL_DEVICE)
+    views = [buf] if single else list(buf.unbind(0))[::-1 if layout == "reversed" else 1]
+    for w, mg, r in zip(gl.weight_params, views, ref_gl.weight_params):
+        w.main_grad, w.overwrite_main_grad = mg, True
+        r.main_grad = torch.zeros(w.shape, device=w.device)
+    dy = torch.randn(384, 128, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    gl(x, splits).backward(dy)
+    ref_gl(x, splits).backward(dy)
+    for w, r in zip(gl.weight_params, ref_gl.weight_params):
+        assert torch.equal(w.main_grad, r.main_grad) and w.grad_added_to_main_grad
+    assert torch.equal(buf[1], torch.zeros_like(buf[1])) and buf[0].abs().sum() > 0
+
+
+def test_overwrite_main_grad_on_some_weights_only_is_refused():
+    gl, x = setup([128, 128], fuse_wgrad_accumulation=True)
+    for w in gl.weights:
+        w.main_grad = torch.zeros(w.shape, device=w.device)
+    gl.weights[0].overwrite_main_grad = True
+    with pytest.raises(ValueError, match="overwrite_main_grad is set on some of its weights"):
+        gl(x, [128, 128]).sum().backward()
+
+
 def test_fp8_weight_cache_follows_is_first_microbatch():
     """TE's rule. Weights written through ``.data`` (as Megatron's optimizers do: no version bump) are seen
     by None and True; False reuses the cache. Doubling a weight doubles its power-of-two-scaled FP8 exactly."""

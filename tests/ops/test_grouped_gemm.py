@@ -206,16 +206,18 @@ def test_cublas_pays_needs_rows_and_work_per_expert():
     assert not cublas_pays("wgrad", [512] * 64, small_fc1) and not cublas_pays("wgrad", [512] * 64, small_fc2)
     assert cublas_pays("wgrad", [1792] * 8, small_fc1) and not cublas_pays("wgrad", [1792] * 8, small_fc2)
     assert not cublas_pays("fprop", [1024] * 8, v3_fc1) and cublas_pays("fprop", [2048] * 8, v3_fc2)
-    assert cublas_pays("wgrad_fp32", [0, 2048], v3_fc2) and not cublas_pays("wgrad_fp32", [0, 2040], v3_fc2)
+    assert cublas_pays("wgrad_accumulate", [0, 2048], v3_fc2) and not cublas_pays("wgrad_accumulate", [0, 2040], v3_fc2)
 
 
 @requires_cuda
 @pytest.mark.parametrize("n,k,rows,picked", [(2048, 7168, 512, "cublas"), (2048, 2048, 512, "triton"),
                                              (2048, 2048, 2048, "cublas"), (4096, 7168, 384, "triton")])
-def test_gpu_auto_bf16_wgrad_takes_cublas_only_where_it_pays(n, k, rows, picked):
-    """The BF16 wgrad's 'auto' order is cuBLAS > Triton (no DeepGEMM): cuBLAS only for large expert GEMMs."""
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gpu_auto_written_wgrad_takes_cublas_only_where_it_pays(n, k, rows, picked, out_dtype):
+    """A wgrad written, not added (BF16, or float32: overwrite_main_grad), has 'auto' order cuBLAS > Triton (no
+    DeepGEMM, which would zero and add): cuBLAS only for large expert GEMMs."""
     a = torch.empty(n, rows * 4, dtype=torch.float8_e4m3fn, device="cuda")
-    impl = _impl("auto", a, a.dtype, [rows] * 4, 0, torch.bfloat16, "t", wgrad=True, weight_elements=n * k)
+    impl = _impl("auto", a, a.dtype, [rows] * 4, 0, out_dtype, "t", wgrad=True, weight_elements=n * k)
     assert impl.name == picked
 
 

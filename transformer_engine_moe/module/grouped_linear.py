@@ -18,7 +18,8 @@ used as is, never dequantized. Per step:
   kept), dropped right after the dgrad GEMM; wgrad ``dW_g = dY_g^T X_g`` from the
   scaling-aware transpose of dY and the kept transpose of the input. With
   ``fuse_wgrad_accumulation``, wgrad is added into each weight's ``main_grad``
-  (Megatron) and ``.grad`` gets a placeholder, as in TE: Megatron's DDP hooks fire
+  (Megatron), or written over it where the weights have ``overwrite_main_grad`` set
+  (Megatron-FSDP), and ``.grad`` gets a placeholder, as in TE: Megatron's DDP hooks fire
   when the weight's gradient is accumulated, and skip weights whose
   ``grad_added_to_main_grad`` is set.
 
@@ -69,6 +70,16 @@ def _stacked_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
                 or t.storage_offset() != t0.storage_offset() + i * step):
             return None
     return t0.as_strided((len(tensors), *t0.shape), (step, *t0.stride()))
+
+
+def _accumulates_into_main_grad(weights) -> bool:
+    """Whether wgrad is added into the weights' ``main_grad`` (Megatron's DDP) or overwrites it: weights
+    with ``overwrite_main_grad`` set, as Megatron-FSDP sets it on its unsharded parameters (TE's rule)."""
+    flags = {bool(getattr(w, "overwrite_main_grad", False)) for w in weights}
+    if len(flags) > 1:
+        raise ValueError("GroupedLinear: overwrite_main_grad is set on some of its weights and not on others; "
+                         "the wgrad GEMM writes all experts' main_grad one way (set it on all weights or none)")
+    return not flags.pop()
 
 
 def _columnwise(t: Float8BlockwiseQTensor, data_t: torch.Tensor, scale_t: torch.Tensor,
@@ -149,13 +160,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
                                          columnwise_m_splits=m_splits)
             if module.fuse_wgrad_accumulation:
                 main_grads = [w.main_grad for w in ctx.weights]  # per expert [N, K], or one [G, N, K]
+                accumulate = _accumulates_into_main_grad(ctx.weights)
                 stacked = _stacked_view(main_grads)
-                if stacked is not None:  # accumulated in place (DeepGEMM: C = D = main_grad)
-                    grouped_gemm_wgrad(dy_t, x_t, m_splits, out=stacked, accumulate=True, num_groups=module.num_gemms,
-                                       backend=module.backend)
+                if stacked is not None:  # in place (accumulated: DeepGEMM's C = D = main_grad)
+                    grouped_gemm_wgrad(dy_t, x_t, m_splits, out=stacked, accumulate=accumulate,
+                                       num_groups=module.num_gemms, backend=module.backend)
                 else:
                     wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, num_groups=module.num_gemms, backend=module.backend)
-                    torch._foreach_add_(main_grads, [wgrad] if module.single_grouped_weight else list(wgrad.unbind(0)))
+                    parts = [wgrad] if module.single_grouped_weight else list(wgrad.unbind(0))
+                    (torch._foreach_add_ if accumulate else torch._foreach_copy_)(main_grads, parts)
                 for w in ctx.weights:
                     w.grad_added_to_main_grad = True
                 dweights = [_placeholder_wgrad(w) for w in ctx.weights]
@@ -183,7 +196,8 @@ class GroupedLinear(nn.Module):
         recipe: the ``FP8FlowRecipe`` (E4M3 or HYBRID, power-of-two scales).
         fuse_wgrad_accumulation: add weight gradients into ``weight{i}.main_grad`` (FP32)
             instead of ``.grad`` (which gets a shared zero placeholder, as in TE), as Megatron's
-            gradient-accumulation fusion.
+            gradient-accumulation fusion; write them over it where the weights have
+            ``overwrite_main_grad = True`` (Megatron-FSDP's attribute, honoured as TE does).
         backend: ``"auto"``, ``"triton"``, ``"cublas"`` or ``"reference"`` (``ops.grouped_gemm``).
         single_grouped_weight: one parameter ``weight [G, out_features, in_features]`` instead of
             ``weight0..`` (TE's name; biases stay per expert). Same arithmetic, bit for bit.

@@ -21,7 +21,8 @@ reads those rows. ``FP8FlowMoE(device_splits=True)`` puts its worst-case buffer'
 - ``"auto"``: on the GPU, the first of ``AUTO_ORDER`` that can run the call (and, for
   cuBLAS, only experts large enough: ``cublas_pays``); the reference on CPU.
   The order was measured (docs/grouped_gemm.md, ``benchmarks/bench_grouped_gemm.py``): DeepGEMM
-  for fprop/dgrad and for wgrads accumulated in float32, cuBLAS for wgrads written in BF16.
+  for fprop/dgrad and for wgrads accumulated into float32, cuBLAS for wgrads written (BF16, or
+  float32: Megatron-FSDP's ``overwrite_main_grad``).
 
 Host splits: the cuBLAS backend and DeepGEMM's wgrad read the per-expert row counts on
 the host. They use the list the dispatcher already holds (``tokens_per_expert``), never a
@@ -47,15 +48,16 @@ GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "triton", "reference")
 # "auto"'s preference on the GPU, per GEMM kind: the first backend that can run the call. Measured on an
 # H200 at DeepSeek-V3 expert shapes, 512 to 16384 rows per expert (docs/grouped_gemm.md): DeepGEMM leads
 # fprop/dgrad (1.07-1.22 PFLOP/s); for a wgrad written in BF16 DeepGEMM has to zero, accumulate and cast
-# a float32 copy (176-873 TFLOP/s) where cuBLAS writes BF16 (702-930 at >= 1024 rows); a wgrad accumulated
-# into float32 (Megatron's main_grad) is DeepGEMM's own form (538-905).
+# a float32 copy (176-873 TFLOP/s) where cuBLAS writes BF16 (702-930 at >= 1024 rows), or float32 straight
+# into ``out`` (H100: 447-897 against DeepGEMM's 174-858); a wgrad accumulated into float32 (Megatron's
+# main_grad) is DeepGEMM's own form (538-905).
 AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "triton"), "wgrad": ("cublas", "triton"),
-              "wgrad_fp32": ("deepgemm", "cublas", "triton")}
+              "wgrad_accumulate": ("deepgemm", "cublas", "triton")}
 # "auto" takes cuBLAS only for experts this large on average: below it, its one launch per expert costs
 # more host time than GPU time (all three GEMMs on cuBLAS, 128 experts of ~512 rows: 89 ms step for 65 ms
 # of GPU work). A BF16 wgrad at 512 rows still pays: 601/451 TFLOP/s (fc1/fc2) against Triton's 380/374,
 # and the EP=2 block (128 experts of ~512 rows, DeepGEMM fprop/dgrad) went from 45.7 to 39.0 ms on H200s.
-CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_fp32": 1024}
+CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_accumulate": 1024}
 # Those rows were measured on DeepSeek-V3's smaller expert weight (fc2, 2048 x 7168 elements). A smaller
 # weight is less GPU time per launch, so cuBLAS also needs that many multiply-adds per expert: Megatron's
 # deepseek_small (weights 2048 x 2048 and 1024 x 2048, 512 rows per expert, EP=1, one H200) ran host-bound
@@ -97,9 +99,9 @@ def _why_not(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, redu
 
 
 def _impl(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reduction: int, out_dtype,
-          op: str, wgrad: bool = False, weight_elements: int = 0) -> Implementation:
+          op: str, wgrad: bool = False, weight_elements: int = 0, accumulate: bool = False) -> Implementation:
     """The implementation running ``op`` (``a``: the first operand's FP8 data; ``weight_elements``: N x K of
-    one expert's weight, for ``cublas_pays``)."""
+    one expert's weight, for ``cublas_pays``; ``accumulate``: a wgrad added into its float32 ``out``)."""
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"{op}: backend must be one of {GEMM_BACKENDS}, got {backend!r}")
     if backend in ("deepgemm", "cublas"):
@@ -110,7 +112,7 @@ def _impl(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reducti
             raise ValueError(f"{op}: backend={backend!r} cannot run this call: {why}; use 'auto' or 'triton'")
         return IMPLEMENTATIONS[backend]
     if backend == "auto" and a.is_cuda:
-        kind = ("wgrad_fp32" if out_dtype == torch.float32 else "wgrad") if wgrad else "fprop"
+        kind = ("wgrad_accumulate" if accumulate else "wgrad") if wgrad else "fprop"
         for name in AUTO_ORDER[kind]:
             if name == "cublas" and isinstance(m_splits, list) and not cublas_pays(kind, m_splits, weight_elements):
                 continue
@@ -216,5 +218,5 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
     impl = _impl(backend, a, b.dtype, m_splits, 0, out_dtype if out is None else out.dtype,
-                 "grouped_gemm_wgrad", wgrad=True, weight_elements=shape[1] * shape[2])
+                 "grouped_gemm_wgrad", wgrad=True, weight_elements=shape[1] * shape[2], accumulate=accumulate)
     return impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, out_dtype)
