@@ -9,7 +9,10 @@ experts, 65536 rows). Equal splits, each a multiple of 512 so that every backend
 - ``wgrad_fp32``: written into a float32 ``[G, N, K]`` buffer (Megatron-FSDP's ``overwrite_main_grad``);
   BF16's row is ``main_grad.copy_(grouped_mm(...))``;
 - ``wgrad_main_grad``: accumulated into a float32 ``[G, N, K]`` buffer (Megatron's ``main_grad``);
-  BF16's row is ``main_grad += grouped_mm(...)``.
+  BF16's row is ``main_grad += grouped_mm(...)``;
+- ``wgrad_main_grad_reversed``: accumulated into G float32 ``[N, K]`` lying in reverse order in one
+  buffer (Megatron's DDP layout of per-expert weights' ``main_grad``s: no ``[G, N, K]`` view, so no
+  DeepGEMM); BF16's row adds ``grouped_mm``'s output per expert.
 
 Backends: ``deepgemm`` (when installed), ``cublas`` (one ``torch._scaled_mm`` per expert), ``triton``
 (device-tensor splits, no host sync), and ``bf16`` (``torch._grouped_mm``). Every FP8 output is checked
@@ -54,10 +57,11 @@ def operands(e, m, n, k, device="cuda"):
     wb = torch.randn(e, n, k, device=device, dtype=torch.bfloat16) * 0.02
     xq, dyq = quantize_blockwise(x), quantize_blockwise(dy)
     w, wt = quantize_grouped_weight(list(wb.unbind(0)))
+    acc = torch.zeros(wb.shape, device=device)
     return dict(splits=splits, st=st, x=x, dy=dy, wb=wb, xq=xq, dyq=dyq, w=w, wt=wt,
                 xt=scaling_aware_transpose(xq, splits), dyt=scaling_aware_transpose(dyq, splits),
                 xt_st=scaling_aware_transpose(xq, st), dyt_st=scaling_aware_transpose(dyq, st),
-                acc=torch.zeros(wb.shape, device=device))
+                acc=acc, acc_reversed=list(acc.unbind(0))[::-1])  # same memory, expert g in slot G-1-g
 
 
 def calls(o, backend):
@@ -70,6 +74,8 @@ def calls(o, backend):
         "wgrad": lambda: grouped_gemm_wgrad(dyt, xt, s, out_dtype=torch.bfloat16, backend=backend),
         "wgrad_fp32": lambda: grouped_gemm_wgrad(dyt, xt, s, out=o["acc"], backend=backend),
         "wgrad_main_grad": lambda: grouped_gemm_wgrad(dyt, xt, s, out=o["acc"], accumulate=True, backend=backend),
+        "wgrad_main_grad_reversed": lambda: grouped_gemm_wgrad(dyt, xt, s, out=o["acc_reversed"], accumulate=True,
+                                                               backend=backend),
     }
 
 
@@ -79,7 +85,8 @@ def bf16_calls(o):
     wgrad = lambda: torch._grouped_mm(o["dy"].t(), o["x"], offs=offs)
     return {"fprop": lambda: torch._grouped_mm(o["x"], o["wb"].transpose(1, 2), offs=offs),
             "dgrad": lambda: torch._grouped_mm(o["dy"], o["wb"], offs=offs),
-            "wgrad": wgrad, "wgrad_fp32": lambda: acc.copy_(wgrad()), "wgrad_main_grad": lambda: acc.add_(wgrad())}
+            "wgrad": wgrad, "wgrad_fp32": lambda: acc.copy_(wgrad()), "wgrad_main_grad": lambda: acc.add_(wgrad()),
+            "wgrad_main_grad_reversed": lambda: torch._foreach_add_(o["acc_reversed"], list(wgrad().unbind(0)))}
 
 
 def references(o, ops):
@@ -97,9 +104,10 @@ def auto_backend(o, op, n, k) -> str:
     """The backend ``backend="auto"`` picks for ``op`` on these operands."""
     wgrad = op.startswith("wgrad")
     a = o["dyt"].columnwise_data if wgrad else (o["xq"] if op == "fprop" else o["dyq"]).rowwise_data
-    out = torch.float32 if op in ("wgrad_fp32", "wgrad_main_grad") else torch.bfloat16
+    out = torch.bfloat16 if op in ("fprop", "dgrad", "wgrad") else torch.float32
     return _impl("auto", a, torch.float8_e4m3fn, o["splits"], k if op == "fprop" else n, out, op, wgrad=wgrad,
-                 weight_elements=n * k, accumulate=op == "wgrad_main_grad").name
+                 weight_elements=n * k, accumulate=op.startswith("wgrad_main_grad"),
+                 out_list=op == "wgrad_main_grad_reversed").name
 
 
 def run(rows_per_expert, gemm, ops) -> list[dict]:
@@ -117,7 +125,7 @@ def run(rows_per_expert, gemm, ops) -> list[dict]:
                 continue
             row = dict(rows_per_expert=rows_per_expert, experts=e, gemm=gemm, op=op, backend=backend)
             try:
-                if backend != "bf16" and op != "wgrad_main_grad":  # a wrong FP8 result is never timed
+                if backend != "bf16" and not op.startswith("wgrad_main_grad"):  # a wrong FP8 result is never timed
                     err = relerr(fn(), refs[op])
                     assert err < 1e-2, (backend, op, err)  # wrong results are ~1; tests check 2e-3
                 fn()
@@ -151,7 +159,8 @@ def sweep() -> list[dict]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
-    parser.add_argument("--ops", nargs="+", default=["fprop", "dgrad", "wgrad", "wgrad_fp32", "wgrad_main_grad"])
+    parser.add_argument("--ops", nargs="+", default=["fprop", "dgrad", "wgrad", "wgrad_fp32", "wgrad_main_grad",
+                                                     "wgrad_main_grad_reversed"])
     parser.add_argument("--sweep", action="store_true", help="also sweep the Triton fprop kernel's launch shapes")
     parser.add_argument("--suffix", default="",
                         help="appended to the results' name (e.g. _h200: bench_grouped_gemm_h200 for a second GPU)")
@@ -171,7 +180,7 @@ def main():
                f"Triton launch shapes: fprop/dgrad {kg.GEMM_CONFIG} (BLOCK_N, GROUP_M, warps, stages), wgrad "
                f"{kg.WGRAD_CONFIG} (BLOCK_N, BLOCK_K, warps, stages). auto=yes: the backend ops.grouped_gemm "
                "picks with backend='auto' for this call. Every FP8 output checked against the float32 reference "
-               "first (wgrad_main_grad shares wgrad's check)."))
+               "first (the wgrad_main_grad ops share wgrad's check)."))
     print(path.read_text())
 
 

@@ -5,6 +5,7 @@ import ast
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = sorted(BENCHMARKS.glob("bench_*.py"))
@@ -42,8 +43,11 @@ def test_bench_grouped_gemm_names_the_backend_auto_picks(monkeypatch):
     import bench_grouped_gemm as bench
 
     o = bench.operands(2, 256, 128, 128, device="cpu")
-    ops = ("fprop", "dgrad", "wgrad", "wgrad_fp32", "wgrad_main_grad")
-    assert [bench.auto_backend(o, op, 128, 128) for op in ops] == ["reference"] * 5
+    ops = ("fprop", "dgrad", "wgrad", "wgrad_fp32", "wgrad_main_grad", "wgrad_main_grad_reversed")
+    assert [bench.auto_backend(o, op, 128, 128) for op in ops] == ["reference"] * 6
+    bench.calls(o, "reference")["wgrad_main_grad_reversed"]()  # Megatron's DDP layout: group g in slot G-1-g
+    want = bench.grouped_gemm_wgrad(o["dyt"], o["xt"], o["splits"], backend="reference")
+    assert want.abs().sum() > 0 and torch.equal(o["acc"].flip(0), want)
     refs = bench.references(o, ("wgrad_fp32",))
     assert set(refs) == {"wgrad", "wgrad_fp32"} and refs["wgrad"] is refs["wgrad_fp32"]
 

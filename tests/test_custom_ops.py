@@ -56,6 +56,8 @@ def _samples() -> dict:
                           torch.ones(2, 1, 2), ms, None, torch.bfloat16)],
         "grouped_gemm_wgrad": [(qt, st, qt, st, ms, None, None, False, torch.float32)],
         "grouped_gemm_wgrad_into": [(qt, st, qt, st, ms, None, torch.zeros(2, 256, 256), True, torch.float32)],
+        "grouped_gemm_wgrad_into_list": [(qt, st, qt, st, ms, None, [torch.zeros(256, 256), torch.ones(256, 256)],
+                                          True, torch.float32)],
     }
 
 
@@ -71,14 +73,15 @@ def _op(name: str, column: str):
 def test_every_launcher_of_every_column_is_an_op():
     """Each column's launcher calls its op under torch.compile: ``te_moe::<launcher>_<column>``, the column it
     shares the launcher with (cuBLAS and DeepGEMM: Triton's but for the GEMMs; no dequantize kernels but
-    1x128), or ``..._into_..`` for a wgrad into ``out``."""
+    1x128), or ``..._into_..`` / ``..._into_list_..`` for a wgrad into ``out`` (a tensor / a list)."""
     for column, impl in backend.IMPLEMENTATIONS.items():
         for name in LAUNCHERS:
             owner = next(c for c, i in backend.IMPLEMENTATIONS.items() if getattr(i, name) is getattr(impl, name))
             assert getattr(impl, name).op is getattr(torch.ops.te_moe, f"{name}_{owner}"), (name, column)
             assert owner == column or name not in ("grouped_gemm", "grouped_gemm_wgrad")
     assert hasattr(torch.ops.te_moe, "grouped_gemm_wgrad_into_triton")
-    assert set(SAMPLES) == set(LAUNCHERS) | {"grouped_gemm_wgrad_into"}
+    assert hasattr(torch.ops.te_moe, "grouped_gemm_wgrad_into_list_triton")
+    assert set(SAMPLES) == set(LAUNCHERS) | {"grouped_gemm_wgrad_into", "grouped_gemm_wgrad_into_list"}
 
 
 @pytest.mark.parametrize("column", ["reference", pytest.param("triton", marks=interpreter_only)])

@@ -13,7 +13,8 @@ while ``torch.compiler.is_compiling()``. ``tests/test_custom_ops.py`` checks eve
 
 Schema limits handled here: ``m_splits`` (None, a host list or a device tensor) travels as two
 arguments, ``int[]? m_splits, Tensor? m_splits_tensor``; an output that may be None travels as an
-empty float32 tensor; ``grouped_gemm_wgrad`` into a given ``out`` is the mutating op ``..._into``.
+empty float32 tensor; ``grouped_gemm_wgrad`` into a given ``out`` is the mutating op ``..._into``
+(``..._into_list`` for a list of G tensors, e.g. the experts' ``main_grad``s).
 """
 
 from __future__ import annotations
@@ -214,11 +215,13 @@ def _run(fn: Callable, m_pos: Optional[int], returns: bool = True, real: bool = 
     return run
 
 
-def _register(name: str, schema: str, fn: Callable, fake: Callable, m_pos: Optional[int], into: bool = False):
-    """``te_moe::<name>``: ``fn`` (``into``: the variant writing into a given ``out``)."""
+def _register(name: str, schema: str, fn: Callable, fake: Callable, m_pos: Optional[int], into: str = ""):
+    """``te_moe::<name>``: ``fn`` (``into``: the variant writing into a given ``out``, a ``"tensor"`` or a
+    ``"list"`` of tensors)."""
     schema = schema.replace("MSplits m_splits", "int[]? m_splits, Tensor? m_splits_tensor")
     if into:
-        schema = schema.replace("Tensor? out", "Tensor(a!) out").replace("-> Tensor", "-> ()")
+        out = "Tensor(a!)[] out" if into == "list" else "Tensor(a!) out"
+        schema = schema.replace("Tensor? out", out).replace("-> Tensor", "-> ()")
     op = torch.library.custom_op(f"te_moe::{name}", _run(fn, m_pos, not into), mutates_args=("out",) if into else (),
                                  schema=schema)
     op.register_fake(_run(fake, m_pos, not into, real=False))
@@ -240,7 +243,8 @@ def _traced(args) -> bool:
 
 def launcher_op(launcher: str, column: str, fn: Callable) -> Callable:
     """``fn``, the ``launcher`` of the table's ``column``, as the custom op ``te_moe::<launcher>_<column>``
-    (a launcher taking ``out`` also as ``te_moe::<launcher>_into_<column>``). Returns what the table holds:
+    (a launcher taking ``out`` also as ``te_moe::<launcher>_into_<column>`` and, for a list ``out``,
+    ``..._into_list_<column>``). Returns what the table holds:
     a function with ``fn``'s signature that calls ``fn`` in eager mode and the op while ``torch.compile``
     traces."""
     if (launcher, fn) in _OPS:  # a launcher shared by two columns: one op
@@ -249,8 +253,8 @@ def launcher_op(launcher: str, column: str, fn: Callable) -> Callable:
     names = _arguments(spec.schema)
     m_pos = names.index("m_splits") if "m_splits" in names else None
     op = _register(f"{launcher}_{column}", spec.schema, fn, spec.fake, m_pos)
-    into = _register(f"{launcher}_into_{column}", spec.schema, fn, spec.fake, m_pos, into=True) \
-        if "out" in names else None
+    into = {kind: _register(f"{launcher}_into{suffix}_{column}", spec.schema, fn, spec.fake, m_pos, into=kind)
+            for kind, suffix in (("tensor", ""), ("list", "_list"))} if "out" in names else None
     params = list(inspect.signature(fn).parameters.values())[:len(names)]
 
     @functools.wraps(fn)
@@ -265,7 +269,7 @@ def launcher_op(launcher: str, column: str, fn: Callable) -> Callable:
             m_splits = values[m_pos]
             values[m_pos:m_pos + 1] = (None, m_splits) if isinstance(m_splits, torch.Tensor) else (m_splits, None)
         if out_arg is not None:
-            into(*values)
+            into["list" if isinstance(out_arg, list) else "tensor"](*values)
             return out_arg
         out = op(*values)
         if not isinstance(out, tuple):

@@ -184,6 +184,28 @@ def _device_row_groups(values: tuple[int, ...], device: torch.device, stream: in
     return group_of_row(_device_splits(values, device, stream, torch.int64), sum(values), dtype)
 
 
+def address_table(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """(int64 ``[G]`` tensor of the ``tensors``' data addresses on their device, whether all are 16-byte
+    aligned), for kernels that read or write G separate tensors (the experts' weights, their
+    ``main_grad``s). Made once per set of addresses (``_address_table``): weights and gradient buffers stay
+    where they are between steps (optimizers update them in place), so later steps, and a CUDA graph
+    capturing one, copy nothing from the host."""
+    return _address_table(tuple(t.data_ptr() for t in tensors), tensors[0].device)
+
+
+@functools.lru_cache(maxsize=256)
+def _address_table(addresses: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, bool]:
+    """``address_table``'s result, cached by the addresses: only they are kept, and a table's content is
+    its key, so a reused address cannot make it stale."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("these tensors' addresses were not seen before the CUDA graph capture; run the step "
+                           "once eagerly first (as torch.cuda.graphs requires a warm-up), so the table of their "
+                           "addresses is on the GPU instead of a host copy captured in the graph")
+    table = torch.tensor(addresses, dtype=torch.int64)
+    table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
+    return table, all(a % 16 == 0 for a in addresses)
+
+
 def group_of_row(sizes: torch.Tensor, m: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """``[M]`` ``dtype``: the group each of the M rows belongs to, for group ``sizes`` (a device tensor
     summing to M), without a host sync."""

@@ -7,7 +7,7 @@ import torch
 from conftest import CUDA, KERNEL_DEVICE, assert_no_host_sync, requires_cuda
 from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise
 from transformer_engine_moe.module import GroupedLinear
-from transformer_engine_moe.module.grouped_linear import _stacked_view
+from transformer_engine_moe.ops.grouped_gemm import stacked_view
 
 BACKENDS = ["reference", "triton"] + (["cublas"] if CUDA else [])  # deepgemm: tests/kernels
 
@@ -167,9 +167,10 @@ def test_main_grad_accumulation_and_weight_cache():
 
 
 @pytest.mark.parametrize("order", ["forward", "reversed"])
-def test_main_grad_in_one_buffer_accumulated_in_place(order):
+def test_main_grad_in_one_buffer_accumulated_in_place(order, monkeypatch):
     """main_grads that lie one after another in one float32 buffer (forward order) get the wgrad GEMM's
-    output accumulated in place; in reverse order (no [G, N, K] view exists) they are added per expert.
+    output accumulated in place as one [G, N, K]; in reverse order (Megatron's DDP layout: no [G, N, K] view
+    exists) in place too, each expert's through its own address: no float32 wgrad temporary added after.
     Same values either way."""
     splits = [128, 0, 256]
     gl, x = setup(splits, fuse_wgrad_accumulation=True)
@@ -177,13 +178,14 @@ def test_main_grad_in_one_buffer_accumulated_in_place(order):
     ref_gl.load_state_dict(gl.state_dict())
     buf = torch.full((3, 128, 256), 2.0, device=KERNEL_DEVICE)
     views = list(buf.unbind(0)) if order == "forward" else list(buf.unbind(0))[::-1]
-    assert (_stacked_view(views) is not None) == (order == "forward")
+    assert (stacked_view(views) is not None) == (order == "forward")
     for w, mg, r in zip(gl.weights, views, ref_gl.weights):
         w.main_grad = mg
         r.main_grad = torch.full(w.shape, 2.0, device=w.device)
     dy = torch.randn(384, 128, device=KERNEL_DEVICE, dtype=torch.bfloat16)
-    gl(x, splits).backward(dy)
     ref_gl(x, splits).backward(dy)
+    monkeypatch.setattr(torch, "_foreach_add_", lambda *a: pytest.fail("main_grad added after the GEMM"))
+    gl(x, splits).backward(dy)
     for w, r in zip(gl.weights, ref_gl.weights):
         assert torch.equal(w.main_grad, r.main_grad)
     assert torch.equal(gl.weights[1].main_grad, torch.full((128, 256), 2.0, device=KERNEL_DEVICE))  # no rows

@@ -8,7 +8,7 @@ import torch
 from conftest import CUDA, KERNEL_DEVICE, requires_cuda
 from transformer_engine_moe import quantize_blockwise, scaling_aware_transpose
 from transformer_engine_moe.ops.grouped_gemm import (CUBLAS_MIN_WEIGHT, _impl, cublas_pays, grouped_gemm,
-                                                     grouped_gemm_wgrad)
+                                                     grouped_gemm_wgrad, stacked_view)
 from transformer_engine_moe.ops.transpose import transpose_grouped_weight
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -89,6 +89,49 @@ def test_wgrad_matches_reference_and_accumulates(splits, as_tensor):
     assert relerr(main_grad - 1, ref) < TOL
     bf16 = grouped_gemm_wgrad(dy, x, ms, out_dtype=torch.bfloat16, backend="triton")  # the weights' dtype
     assert bf16.dtype == torch.bfloat16 and relerr(bf16, ref) < 2**-8
+
+
+WGRAD_BACKENDS = ["reference", "triton"] + (["cublas"] if CUDA else [])
+
+
+@pytest.mark.parametrize("backend", WGRAD_BACKENDS)
+@pytest.mark.parametrize("order", ["reversed", "scattered", "in_order"])
+@pytest.mark.parametrize("accumulate", [True, False], ids=["added", "written"])
+def test_wgrad_into_a_list_of_main_grads(backend, order, accumulate):
+    """``out`` as G separate [N, K] (each expert's main_grad): in reverse order in one buffer (Megatron's DDP
+    layout), in separate allocations, or in order (made one [G, N, K] view): each gets its own group's
+    gradient added or written (NaN there overwritten), bitwise what a [G, N, K] out gets; zero-row experts
+    added nothing / written zeros; the list comes back as given."""
+    splits = [128, 0, 256, 128] if backend == "cublas" else [100, 0, 156, 128]  # cuBLAS: groups of 128-multiples
+    m, n, k = sum(splits), 128, 256
+    dy, x = scaling_aware_transpose(act(m, n), splits), scaling_aware_transpose(act(m, k), splits)
+    start = torch.randn(4, n, k, device=KERNEL_DEVICE) if accumulate else torch.full((4, n, k), float("nan"),
+                                                                                       device=KERNEL_DEVICE)
+    want = start.clone()
+    grouped_gemm_wgrad(dy, x, splits, out=want, accumulate=accumulate, backend=backend)
+    if order == "reversed":  # experts G-1 .. 0 one after another: outs[g] at decreasing addresses
+        outs = list(start.flip(0).contiguous().unbind(0))[::-1]
+    else:
+        outs = [t.clone() for t in start.unbind(0)] if order == "scattered" else list(start.clone().unbind(0))
+    assert (stacked_view(outs) is not None) == (order == "in_order")
+    got = grouped_gemm_wgrad(dy, x, splits, out=outs, accumulate=accumulate, backend=backend)
+    assert got is outs
+    for g in range(4):
+        assert torch.equal(outs[g], want[g]), g
+    assert torch.equal(outs[1], start[1] if accumulate else torch.zeros_like(start[1]))
+
+
+def test_wgrad_list_out_is_checked():
+    dy = x = scaling_aware_transpose(act(256, 256, device="cpu"), [128, 128])
+    good = torch.zeros(256, 256)
+    with pytest.raises(ValueError, match=r"2 contiguous float32 \[256, 256\] tensors on cpu .*got 1"):
+        grouped_gemm_wgrad(dy, x, [128, 128], out=[good])
+    with pytest.raises(ValueError, match=r"out\[1\] is torch.bfloat16"):
+        grouped_gemm_wgrad(dy, x, [128, 128], out=[good, good.bfloat16()])
+    with pytest.raises(ValueError, match=r"out\[0\] is torch.float32 \[256, 256\]"):  # not contiguous
+        grouped_gemm_wgrad(dy, x, [128, 128], out=[good.t(), good])
+    with pytest.raises(TypeError, match="out must be a tensor or a list of tensors, got dict"):
+        grouped_gemm_wgrad(dy, x, [128, 128], out={})
 
 
 @pytest.mark.parametrize("splits", [[0, 130, 0, 70], [256, 0, 0, 0]], ids=str)
@@ -206,7 +249,7 @@ def test_cublas_pays_needs_rows_and_work_per_expert():
     assert not cublas_pays("wgrad", [512] * 64, small_fc1) and not cublas_pays("wgrad", [512] * 64, small_fc2)
     assert cublas_pays("wgrad", [1792] * 8, small_fc1) and not cublas_pays("wgrad", [1792] * 8, small_fc2)
     assert not cublas_pays("fprop", [1024] * 8, v3_fc1) and cublas_pays("fprop", [2048] * 8, v3_fc2)
-    assert cublas_pays("wgrad_accumulate", [0, 2048], v3_fc2) and not cublas_pays("wgrad_accumulate", [0, 2040], v3_fc2)
+    assert cublas_pays("wgrad_accumulate", [0, 8192], v3_fc2) and not cublas_pays("wgrad_accumulate", [0, 8190], v3_fc2)
 
 
 @requires_cuda

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..layout import num_column_blocks
+from ..layout import address_table, num_column_blocks
 from .casts import cast_for_store, use_software_cast
 from .groups import column_block_rows, group_extent, group_sizes_arg
 
@@ -116,9 +116,12 @@ def _grouped_wgrad_kernel(
     at_ptr, ats_ptr, bt_ptr, bts_ptr, c_ptr, sizes_ptr, num_groups, N, K,
     MAX_GROUPS: tl.constexpr, ACCUMULATE: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    C_TABLE: tl.constexpr = False, C_ALIGNED: tl.constexpr = True,
 ):
     """One [BLOCK_N, BLOCK_K] tile of C_g [N, K] (float32; N % BLOCK_N == K % BLOCK_K == 0), reducing over
-    group g's tokens. Consecutive programs take consecutive N tiles: they share X^T's rows in L2."""
+    group g's tokens. Consecutive programs take consecutive N tiles: they share X^T's rows in L2. C is
+    ``[G, N, K]`` at ``c_ptr``, or with ``C_TABLE`` G separate ``[N, K]`` whose addresses ``c_ptr`` lists
+    (int64; ``C_ALIGNED``: all 16-byte aligned)."""
     num_n = N // BLOCK_N
     num_k = K // BLOCK_K
     pid = tl.program_id(0)
@@ -145,10 +148,16 @@ def _grouped_wgrad_kernel(
         for j in tl.range(0, tl.cdiv(size, 128), num_stages=NUM_STAGES):
             acc = _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, size, first_block,
                               N, K, n_rows, k_rows)
-    c = c_ptr + g.to(tl.int64) * N * K + n_rows.to(tl.int64)[:, None] * K + k_rows[None, :]
+    if C_TABLE:
+        c_g = tl.load(c_ptr + g).to(tl.pointer_type(tl.float32))
+        if C_ALIGNED:
+            c_g = tl.multiple_of(c_g, 16)
+    else:
+        c_g = c_ptr + g.to(tl.int64) * N * K
+    c = c_g + n_rows.to(tl.int64)[:, None] * K + k_rows[None, :]
     if ACCUMULATE:
         acc += tl.load(c)
-    tl.store(c, cast_for_store(acc, c_ptr.dtype.element_ty, SOFTWARE_CAST))
+    tl.store(c, cast_for_store(acc, c.dtype.element_ty, SOFTWARE_CAST))
 
 
 @triton.jit
@@ -211,19 +220,22 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     """``a_t``, ``b_t``: the expert-major 128x1 columnwise data (``[M*N]``, ``[M*K]``, ``layout.py``) of
     ``dY [M, N]`` and ``X [M, K]`` grouped by ``m_splits``, with block-major scales ``[num_column_blocks, N]``
     and ``[.., K]`` -> ``C [G, N, K]`` in ``out_dtype`` (written into ``out``, or added to it when
-    ``accumulate``, float32). N and K multiples of the block shape (128). ``m_splits`` may sum to fewer
-    rows than the operands hold: the rows after its G groups (a weightless group) are not read."""
+    ``accumulate``, float32; ``out`` may also be a list of G float32 ``[N, K]``, anywhere in memory). N and
+    K multiples of the block shape (128). ``m_splits`` may sum to fewer rows than the operands hold: the rows
+    after its G groups (a weightless group) are not read."""
     n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
     sizes, g, _, max_groups = group_sizes_arg(m_splits, a_t.device)
     if out is None:
         out = torch.empty((g, n, k), dtype=out_dtype, device=a_t.device)
     if g == 0 or n == 0 or k == 0:
         return out
+    c, aligned = address_table(out) if isinstance(out, list) else (out, True)
     block_n, block_k, num_warps, num_stages = config or WGRAD_CONFIG
     grid = (g * (n // block_n) * (k // block_k),)
     _grouped_wgrad_kernel[grid](
-        a_t, a_t_scale_inv, b_t, b_t_scale_inv, out, sizes, g, n, k,
+        a_t, a_t_scale_inv, b_t, b_t_scale_inv, c, sizes, g, n, k,
         MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), SOFTWARE_CAST=use_software_cast(a_t),
-        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, C_TABLE=isinstance(out, list), C_ALIGNED=aligned,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out

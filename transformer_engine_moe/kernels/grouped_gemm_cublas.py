@@ -92,26 +92,28 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
 def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
                        out_dtype=torch.float32, config=None):
     """As ``kernels.grouped_gemm.grouped_gemm_wgrad`` (expert-major operands; host list of groups of
-    128-multiple sizes, of the leading rows)."""
+    128-multiple sizes, of the leading rows; ``out`` a ``[G, N, K]`` tensor or a list of G ``[N, K]``)."""
     n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
     if out is None:
         out = torch.empty((len(m_splits), n, k), dtype=out_dtype, device=a_t.device)
+    outs = out if isinstance(out, list) else out.unbind(0)
+    dtype = outs[0].dtype if outs else out_dtype
 
     def launch(args, out_g):
         if accumulate:  # cuBLAS through torch has no beta: a float32 temporary per expert
-            out_g += torch._scaled_mm(*args, out_dtype=out.dtype)
+            out_g += torch._scaled_mm(*args, out_dtype=dtype)
         else:
-            torch._scaled_mm(*args, out_dtype=out.dtype, out=out_g)  # (~7 us less host time than ops.aten's .out)
+            torch._scaled_mm(*args, out_dtype=dtype, out=out_g)  # (~7 us less host time than ops.aten's .out)
 
     # every expert's operand views from one split per operand (host time: not four slices per expert)
     rows, blocks = sum(m_splits), [s // 128 for s in m_splits]
     a_g, b_g = a_t[:n * rows].split([n * s for s in m_splits]), b_t[:k * rows].split([k * s for s in m_splits])
     sa_g, sb_g = a_t_scale_inv[:sum(blocks)].split(blocks), b_t_scale_inv[:sum(blocks)].split(blocks)
     jobs = []
-    for g, (size, out_g) in enumerate(zip(m_splits, out.unbind(0))):
+    for g, (size, out_g) in enumerate(zip(m_splits, outs)):
         if size:
             jobs.append(((a_g[g].view(n, size), b_g[g].view(k, size).t(), sa_g[g].t(), sb_g[g]), out_g))
         elif not accumulate:
             out_g.zero_()
-    _on_streams(out.device, launch, jobs)
+    _on_streams(a_t.device, launch, jobs)
     return out

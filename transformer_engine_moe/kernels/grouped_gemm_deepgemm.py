@@ -119,6 +119,8 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     A_g^T B_g`` over group g's rows, float32 accumulation into ``out`` (added to it when
     ``accumulate``) or a new ``[G, N, K]`` tensor in ``out_dtype``. ``m_splits``: host list (of the leading
     rows: those after it, a weightless group, are left out of the operands DeepGEMM sees)."""
+    if isinstance(out, list):
+        raise ValueError("deepgemm: wgrad's out must be one float32 [G, N, K] tensor (DeepGEMM's D), not a list")
     n, k, groups, rows = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1], len(m_splits), sum(m_splits)
     d = out if out is not None else torch.empty((groups, n, k), dtype=torch.float32, device=a_t.device)
     if not accumulate:

@@ -12,13 +12,12 @@ FP8 data is stored through a ``uint8`` view of the output.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from ..layout import columnwise_data_shape, num_column_blocks
+from ..layout import address_table, columnwise_data_shape, num_column_blocks
 from ..recipe import BLOCK_SIZE, fp8_max, scale_value_for_inf
 from .casts import float_to_fp8_bits, to_float, use_software_cast
 from .groups import column_block_rows, group_sizes_arg, store_columnwise
@@ -283,21 +282,6 @@ def _quantize_grouped_weight_kernel(
     tl.store(s_ptr + (g * (N // 128) + pid_n) * (K // 128) + pid_k, scale_inv)
 
 
-@functools.lru_cache(maxsize=256)
-def _address_table(addresses: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, bool]:
-    """(int64 ``[G]`` device tensor of the weights' addresses, whether all are 16-byte aligned), made once
-    per set of addresses: the weights stay where they are between steps (optimizers update them in place),
-    so later steps, and a CUDA graph capturing one, copy nothing from the host. Only the addresses are
-    cached, and a table's content is its key, so a reused address cannot make it stale."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("quantize_grouped_weight: these weights were not seen before the CUDA graph capture; "
-                           "run the step once eagerly first (as torch.cuda.graphs requires a warm-up), so the "
-                           "table of their addresses is on the GPU instead of a host copy captured in the graph")
-    table = torch.tensor(addresses, dtype=torch.int64)
-    table = table.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else table
-    return table, all(a % 16 == 0 for a in addresses)
-
-
 def quantize_grouped_weight(
     weights,
     fp8_dtype: torch.dtype,
@@ -322,7 +306,7 @@ def quantize_grouped_weight(
     qt = torch.empty((g, k, n), dtype=fp8_dtype, device=x0.device) if fused else q
     s = torch.empty((g, n // BLOCK_SIZE, k // BLOCK_SIZE), dtype=torch.float32, device=x0.device)
     if q.numel():
-        table, aligned = _address_table(tuple(w.data_ptr() for w in weights), x0.device)
+        table, aligned = address_table(weights)
         _quantize_grouped_weight_kernel[(k // BLOCK_SIZE, n // BLOCK_SIZE, g)](
             table, x0, q.view(torch.uint8), qt.view(torch.uint8), s, n, k, ALIGNED=aligned, TRANSPOSE=fused,
             num_warps=num_warps or (FUSED_WEIGHT_WARPS if fused else GROUPED_WEIGHT_WARPS),

@@ -56,20 +56,14 @@ def _bias_rows(bias: torch.Tensor, m_splits: MSplits, m: int) -> torch.Tensor:
     return torch.repeat_interleave(bias, sizes, dim=0, output_size=m)
 
 
-def _stacked_view(tensors: list[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A ``[G, N, K]`` float32 view of the weights' ``main_grad``s to accumulate into in place, or None:
-    a single grouped weight's contiguous ``[G, N, K]`` as is, or G contiguous ``[N, K]`` that lie one
-    after another in one storage (Megatron's ``main_grad`` buffers often do)."""
-    t0 = tensors[0]
-    if t0.dim() == 3:  # one [G, N, K] parameter's
-        return t0 if t0.dtype == torch.float32 and t0.is_contiguous() else None
-    step = t0.numel()
-    for i, t in enumerate(tensors):
-        if (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != t0.shape
-                or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
-                or t.storage_offset() != t0.storage_offset() + i * step):
-            return None
-    return t0.as_strided((len(tensors), *t0.shape), (step, *t0.stride()))
+def _wgrad_out(main_grads: list[torch.Tensor]) -> Union[torch.Tensor, list[torch.Tensor], None]:
+    """Where the wgrad GEMM writes straight into the weights' ``main_grad``: a single weight's contiguous
+    float32 ``[G, N, K]``, or G contiguous float32 ``[N, K]`` anywhere (the op makes them one ``[G, N, K]``
+    view where they lie in order; Megatron's DDP lays them out in reverse, which cuBLAS and Triton write
+    through a table of addresses); None for other buffers (a strided or BF16 ``main_grad``: added after)."""
+    if all(t.dtype == torch.float32 and t.is_contiguous() for t in main_grads):
+        return main_grads[0] if main_grads[0].dim() == 3 else main_grads
+    return None
 
 
 def _accumulates_into_main_grad(weights) -> bool:
@@ -161,9 +155,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
             if module.fuse_wgrad_accumulation:
                 main_grads = [w.main_grad for w in ctx.weights]  # per expert [N, K], or one [G, N, K]
                 accumulate = _accumulates_into_main_grad(ctx.weights)
-                stacked = _stacked_view(main_grads)
-                if stacked is not None:  # in place (accumulated: DeepGEMM's C = D = main_grad)
-                    grouped_gemm_wgrad(dy_t, x_t, m_splits, out=stacked, accumulate=accumulate,
+                out = _wgrad_out(main_grads)
+                if out is not None:  # in place (one [G, N, K] accumulated: DeepGEMM's C = D = main_grad)
+                    grouped_gemm_wgrad(dy_t, x_t, m_splits, out=out, accumulate=accumulate,
                                        num_groups=module.num_gemms, backend=module.backend)
                 else:
                     wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, num_groups=module.num_gemms, backend=module.backend)

@@ -35,7 +35,7 @@ Alignment: K and N multiples of 128 (the weights' 128x128 blocks).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -57,7 +57,11 @@ AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "triton"), "wgrad": ("cublas", "tr
 # more host time than GPU time (all three GEMMs on cuBLAS, 128 experts of ~512 rows: 89 ms step for 65 ms
 # of GPU work). A BF16 wgrad at 512 rows still pays: 601/451 TFLOP/s (fc1/fc2) against Triton's 380/374,
 # and the EP=2 block (128 experts of ~512 rows, DeepGEMM fprop/dgrad) went from 45.7 to 39.0 ms on H200s.
-CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_accumulate": 1024}
+# A wgrad added into float32 where DeepGEMM cannot run (no DeepGEMM, or main_grads apart: Megatron's DDP) pays
+# with cuBLAS from 4096 rows: its float32 temporary per expert and add lose to Triton below (H100 / H200 at
+# 1024 rows: cuBLAS 310 / 369 TFLOP/s, Triton 385 / 402; at 2048: 480 / 544 against 530 / 546; at 4096 on
+# the H100: 644 against 626 for fc1, 629 against 523 for fc2).
+CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_accumulate": 4096}
 # Those rows were measured on DeepSeek-V3's smaller expert weight (fc2, 2048 x 7168 elements). A smaller
 # weight is less GPU time per launch, so cuBLAS also needs that many multiply-adds per expert: Megatron's
 # deepseek_small (weights 2048 x 2048 and 1024 x 2048, 512 rows per expert, EP=1, one H200) ran host-bound
@@ -75,7 +79,7 @@ def cublas_pays(kind: str, m_splits: list, weight_elements: int) -> bool:
 
 
 def _why_not(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reduction: int,
-             out_dtype: torch.dtype, wgrad: bool) -> Optional[str]:
+             out_dtype: torch.dtype, wgrad: bool, out_list: bool = False) -> Optional[str]:
     """None if GPU ``backend`` can run this call, else the reason it cannot."""
     if backend not in IMPLEMENTATIONS:
         return "it needs Triton installed"
@@ -86,6 +90,8 @@ def _why_not(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, redu
     if backend == "deepgemm":
         if not deepgemm.available(a.device):
             return "DeepGEMM is not installed or the GPU is not a Hopper (SM90)"
+        if out_list:
+            return "it writes one float32 [G, N, K] buffer, and out is G separate tensors"
         ok = (deepgemm.supports_wgrad(a.dtype, b_dtype, m_splits) if wgrad
               else deepgemm.supports(a.dtype, b_dtype, m_splits, out_dtype))
         return None if ok else (
@@ -99,15 +105,17 @@ def _why_not(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, redu
 
 
 def _impl(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reduction: int, out_dtype,
-          op: str, wgrad: bool = False, weight_elements: int = 0, accumulate: bool = False) -> Implementation:
+          op: str, wgrad: bool = False, weight_elements: int = 0, accumulate: bool = False,
+          out_list: bool = False) -> Implementation:
     """The implementation running ``op`` (``a``: the first operand's FP8 data; ``weight_elements``: N x K of
-    one expert's weight, for ``cublas_pays``; ``accumulate``: a wgrad added into its float32 ``out``)."""
+    one expert's weight, for ``cublas_pays``; ``accumulate``: a wgrad added into its float32 ``out``;
+    ``out_list``: that ``out`` is G separate tensors)."""
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"{op}: backend must be one of {GEMM_BACKENDS}, got {backend!r}")
     if backend in ("deepgemm", "cublas"):
         if backend == "deepgemm" and deepgemm._module() is None:
             raise deepgemm.import_error()
-        why = _why_not(backend, a, b_dtype, m_splits, reduction, out_dtype, wgrad)
+        why = _why_not(backend, a, b_dtype, m_splits, reduction, out_dtype, wgrad, out_list)
         if why:
             raise ValueError(f"{op}: backend={backend!r} cannot run this call: {why}; use 'auto' or 'triton'")
         return IMPLEMENTATIONS[backend]
@@ -116,7 +124,7 @@ def _impl(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reducti
         for name in AUTO_ORDER[kind]:
             if name == "cublas" and isinstance(m_splits, list) and not cublas_pays(kind, m_splits, weight_elements):
                 continue
-            if _why_not(name, a, b_dtype, m_splits, reduction, out_dtype, wgrad) is None:
+            if _why_not(name, a, b_dtype, m_splits, reduction, out_dtype, wgrad, out_list) is None:
                 return IMPLEMENTATIONS[name]
     return implementation(backend, a, op)
 
@@ -182,15 +190,53 @@ def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_
     return impl.grouped_gemm(a, a_scale, b, b_scale, m_splits, out_dtype)
 
 
+def stacked_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """G contiguous float32 ``[N, K]`` that lie one after another in one storage as one ``[G, N, K]`` view,
+    or None (e.g. Megatron's DDP, which lays parameters' ``main_grad``s out in reverse order)."""
+    t0 = tensors[0]
+    step = t0.numel()
+    for i, t in enumerate(tensors):
+        if (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != t0.shape
+                or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
+                or t.storage_offset() != t0.storage_offset() + i * step):
+            return None
+    return t0.as_strided((len(tensors), *t0.shape), (step, *t0.stride()))
+
+
+def _check_wgrad_out(out, shape: tuple[int, int, int], device) -> Union[torch.Tensor, list, None]:
+    """``out`` validated: a contiguous float32 ``[G, N, K]``, or G contiguous float32 ``[N, K]`` (as one
+    ``[G, N, K]`` view where they lie in order, else a list)."""
+    if out is None or isinstance(out, torch.Tensor):
+        if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous float32 tensor of shape {list(shape)} (or a list of "
+                             f"{shape[0]} [N, K]), got {out.dtype} {list(out.shape)}")
+        return out
+    if not isinstance(out, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in out):
+        raise TypeError(f"out must be a tensor or a list of tensors, got {type(out).__name__}")
+    bad = [i for i, t in enumerate(out) if t.dtype != torch.float32 or tuple(t.shape) != shape[1:]
+           or not t.is_contiguous() or t.device != device]
+    if len(out) != shape[0] or bad:
+        raise ValueError(f"out as a list must hold {shape[0]} contiguous float32 [{shape[1]}, {shape[2]}] tensors "
+                         f"on {device} (one per group); got {len(out)}"
+                         + (f", out[{bad[0]}] is {out[bad[0]].dtype} {list(out[bad[0]].shape)} on "
+                            f"{out[bad[0]].device}" if bad else ""))
+    if not out:
+        return list(out)
+    stacked = stacked_view(out)
+    return stacked if stacked is not None else list(out)
+
+
 def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8BlockwiseQTensor, m_splits: MSplits, *,
-                       out: Optional[torch.Tensor] = None, accumulate: bool = False,
+                       out: Union[torch.Tensor, Sequence[torch.Tensor], None] = None, accumulate: bool = False,
                        out_dtype: torch.dtype = torch.float32, num_groups: Optional[int] = None,
-                       backend: str = "auto") -> torch.Tensor:
+                       backend: str = "auto"):
     """``dW[g] = grad_output[rows of g]^T @ inp[rows of g]`` -> ``[G, N, K]`` float32, from the grouped
     (expert-major) 128x1 columnwise copies of ``grad_output [M, N]`` and ``inp [M, K]`` (scaling-aware
-    transpose with these ``m_splits``). ``out``: a float32 ``[G, N, K]`` buffer written, or added to when ``accumulate``
-    (Megatron's ``main_grad`` fusion); without ``out``, a new tensor in ``out_dtype`` (FP32 accumulation,
-    one rounding at the end). ``num_groups``: the gradients of the first ``num_groups`` groups only (None:
+    transpose with these ``m_splits``). ``out``: float32 written, or added to when ``accumulate``
+    (Megatron's ``main_grad`` fusion): one ``[G, N, K]`` buffer, or a list of G ``[N, K]`` anywhere in memory
+    (each expert's ``main_grad``; DeepGEMM needs one buffer, so a list that is not one runs on cuBLAS or
+    Triton); returned as given. Without ``out``, a new tensor in ``out_dtype`` (FP32 accumulation, one
+    rounding at the end). ``num_groups``: the gradients of the first ``num_groups`` groups only (None:
     all); one less than the groups of ``m_splits`` leaves out a trailing weightless group (``grouped_gemm``),
     whose rows no backend reads."""
     a, a_scale = _check_act(grad_output, "grad_output", "columnwise")
@@ -210,13 +256,13 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
         if num_groups < groups:
             m_splits, groups = m_splits[:num_groups], num_groups  # a device tensor's view: no host sync
     shape = (groups, grad_output.shape[1], inp.shape[1])
-    if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous float32 tensor of shape {list(shape)}, got {out.dtype} "
-                         f"{list(out.shape)}")
+    given, out = out, _check_wgrad_out(out, shape, a.device)
     if accumulate and out is None:
         raise ValueError("accumulate=True needs out (the main_grad buffer)")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
-    impl = _impl(backend, a, b.dtype, m_splits, 0, out_dtype if out is None else out.dtype,
-                 "grouped_gemm_wgrad", wgrad=True, weight_elements=shape[1] * shape[2], accumulate=accumulate)
-    return impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, out_dtype)
+    impl = _impl(backend, a, b.dtype, m_splits, 0, out_dtype if out is None else torch.float32,
+                 "grouped_gemm_wgrad", wgrad=True, weight_elements=shape[1] * shape[2], accumulate=accumulate,
+                 out_list=isinstance(out, list))
+    result = impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, out_dtype)
+    return result if given is None else given
