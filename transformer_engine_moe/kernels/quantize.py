@@ -12,7 +12,6 @@ FP8 data is stored through a ``uint8`` view of the output.
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
