@@ -202,6 +202,41 @@ def test_ddp_finish_grad_sync_drops_the_fp8_weight_cache(world_of_one):
     assert all(lin._cache is not None for lin in linears)
 
 
+@pytest.mark.parametrize("single", [False, True], ids=["per_expert", "single_weight"])
+def test_ddp_main_grad_fusion_writes_expert_wgrads_in_place(world_of_one, monkeypatch, single):
+    """With gradient-accumulation fusion (Megatron's default with TE; here set on the expert GEMMs alone: the
+    CPU has no Apex for Megatron's own linears) the expert wgrads go straight into Megatron DDP's grad buffer:
+    per-expert weights, which DDP lays out in reverse order, through a list of their main_grads, a single
+    grouped weight as one [G, N, K]. The main_grads equal, bit for bit, those of the same step without the
+    fusion (autograd's .grad, added by DDP's hooks)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
+    from megatron_patches.experts import build_fp8_flow_block
+
+    outs, real = [], grouped_linear.grouped_gemm_wgrad
+    monkeypatch.setattr(grouped_linear, "grouped_gemm_wgrad",
+                        lambda *a, **kw: (outs.append(type(kw.get("out"))), real(*a, **kw))[1])
+    grads = []
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        config = _config(recompute_modules=None, recompute_granularity=None,
+                         moe_fp8_flow_single_grouped_weight=single)
+        model = _model(config, build_fp8_flow_block)
+        linears = [lin for layer in model.decoder.layers for lin in (layer.mlp.experts.linear_fc1,
+                                                                     layer.mlp.experts.linear_fc2)]
+        for lin in linears:
+            lin.fuse_wgrad_accumulation = fuse
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+        tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+        outs.clear()
+        ddp(tokens, torch.arange(32, device=DEVICE).expand(2, -1), None, labels=tokens).mean().backward()
+        assert outs == ([torch.Tensor if single else list] if fuse else [type(None)]) * len(linears)
+        grads.append([w.main_grad.clone() for lin in linears for w in lin.weight_params])
+    assert all(g.abs().sum() > 0 for g in grads[0])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @requires_cuda
 def test_gpu_initialisation_matches_megatron_experts(world_of_one):
     """On the GPU the FP8-Flow block draws its weights as Megatron's SequentialMLP experts do, so a stock
