@@ -30,8 +30,9 @@ def gemm_backends(device: torch.device, backend: str = "auto") -> str:
     kinds = []
     for kind, label in (("fprop", "fprop/dgrad"), ("wgrad", "wgrad"), ("wgrad_accumulate", "wgrad into main_grad")):
         order = [n for n in AUTO_ORDER[kind] if n != "deepgemm" or deepgemm]
+        names = dict(_NAMES, deepgemm="DeepGEMM (main_grad as one [G, N, K])") if kind == "wgrad_accumulate" else _NAMES
         kinds.append(f"{label} " + " > ".join(
-            _cublas(CUBLAS_MIN_MEAN_ROWS[kind], CUBLAS_MIN_WEIGHT) if n == "cublas" else _NAMES[n] for n in order))
+            _cublas(CUBLAS_MIN_MEAN_ROWS[kind], CUBLAS_MIN_WEIGHT) if n == "cublas" else names[n] for n in order))
     return ("Triton kernels; grouped GEMMs 'auto', per call the first that can run it: " + "; ".join(kinds)
             + ("" if deepgemm else " (DeepGEMM not importable here or not a Hopper GPU)"))
 

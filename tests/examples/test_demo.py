@@ -43,8 +43,8 @@ def test_gemm_backends_on_cpu_and_gpu(monkeypatch):
     assert gemm_backends(cuda) == (
         "Triton kernels; grouped GEMMs 'auto', per call the first that can run it: fprop/dgrad DeepGEMM > cuBLAS "
         "(experts of >= 2048 rows and >= 2048 x 14.7M multiply-adds) > Triton; wgrad cuBLAS (experts of >= 512 "
-        "rows and >= 512 x 14.7M multiply-adds) > Triton; wgrad into main_grad DeepGEMM > cuBLAS (experts of >= "
-        "4096 rows and >= 4096 x 14.7M multiply-adds) > Triton")
+        "rows and >= 512 x 14.7M multiply-adds) > Triton; wgrad into main_grad DeepGEMM (main_grad as one [G, N, K]) "
+        "> cuBLAS (experts of >= 4096 rows and >= 4096 x 14.7M multiply-adds) > Triton")
     monkeypatch.setattr(grouped_gemm_deepgemm, "available", lambda device: False)
     text = gemm_backends(cuda)
     assert "fprop/dgrad cuBLAS (experts of >= 2048 rows and >= 2048 x 14.7M multiply-adds) > Triton" in text and "DeepGEMM not importable" in text
