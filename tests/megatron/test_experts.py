@@ -207,8 +207,8 @@ def test_ddp_main_grad_fusion_writes_expert_wgrads_in_place(world_of_one, monkey
     """With gradient-accumulation fusion (Megatron's default with TE; here set on the expert GEMMs alone: the
     CPU has no Apex for Megatron's own linears) the expert wgrads go straight into Megatron DDP's grad buffer:
     per-expert weights, which DDP lays out in reverse order, through a list of their main_grads, a single
-    grouped weight as one [G, N, K]. The main_grads equal, bit for bit, those of the same step without the
-    fusion (autograd's .grad, added by DDP's hooks)."""
+    grouped weight as one [G, N, K]. The main_grads equal, bit for bit (on the GPU: within run-to-run
+    atomics), those of the same step without the fusion (autograd's .grad, added by DDP's hooks)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     import transformer_engine_moe.module.grouped_linear as grouped_linear
@@ -220,13 +220,15 @@ def test_ddp_main_grad_fusion_writes_expert_wgrads_in_place(world_of_one, monkey
     grads = []
     for fuse in (False, True):
         torch.manual_seed(0)
-        config = _config(recompute_modules=None, recompute_granularity=None,
-                         moe_fp8_flow_single_grouped_weight=single)
+        config = _config(recompute_modules=None, recompute_granularity=None, hidden_dropout=0.0,
+                         attention_dropout=0.0, moe_fp8_flow_single_grouped_weight=single)  # no dropout masks
         model = _model(config, build_fp8_flow_block)
         linears = [lin for layer in model.decoder.layers for lin in (layer.mlp.experts.linear_fc1,
                                                                      layer.mlp.experts.linear_fc2)]
         for lin in linears:
             lin.fuse_wgrad_accumulation = fuse
+            if CUDA:  # one GEMM backend for both runs (auto could take DeepGEMM for one [G, N, K] main_grad only)
+                lin.backend = "triton"
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
         tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1)).to(DEVICE)
         outs.clear()
@@ -234,7 +236,11 @@ def test_ddp_main_grad_fusion_writes_expert_wgrads_in_place(world_of_one, monkey
         assert outs == ([torch.Tensor if single else list] if fuse else [type(None)]) * len(linears)
         grads.append([w.main_grad.clone() for lin in linears for w in lin.weight_params])
     assert all(g.abs().sum() > 0 for g in grads[0])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    if CUDA:  # atomics upstream (Megatron's and the unpermute's backward) order sums differently run to run
+        errors = [((a - b).norm() / b.norm()).item() for a, b in zip(*grads)]
+        assert max(errors) < 1e-2, errors
+    else:
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 @requires_cuda
