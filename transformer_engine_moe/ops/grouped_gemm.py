@@ -191,13 +191,13 @@ def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_
 
 
 def stacked_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
-    """G contiguous float32 ``[N, K]`` that lie one after another in one storage as one ``[G, N, K]`` view,
-    or None (e.g. Megatron's DDP, which lays parameters' ``main_grad``s out in reverse order)."""
+    """G contiguous ``[N, K]`` of one dtype (``_check_wgrad_out`` checked them) as one ``[G, N, K]`` view where
+    they lie one after another in one storage, else None (e.g. Megatron's DDP, which lays parameters'
+    ``main_grad``s out in reverse order)."""
     t0 = tensors[0]
     step = t0.numel()
     for i, t in enumerate(tensors):
-        if (t.dtype != torch.float32 or not t.is_contiguous() or t.shape != t0.shape
-                or t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
+        if (t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr()
                 or t.storage_offset() != t0.storage_offset() + i * step):
             return None
     return t0.as_strided((len(tensors), *t0.shape), (step, *t0.stride()))
