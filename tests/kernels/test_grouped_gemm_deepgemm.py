@@ -155,5 +155,7 @@ def test_which_host_splits_deepgemm_and_cublas_take(monkeypatch):
     assert not dg.supports_wgrad(E4M3, E4M3, torch.tensor([128]))  # wgrad needs host splits
     assert dg.supports(E4M3, E4M3, torch.tensor([100]), torch.bfloat16)
     assert dg.supports(E4M3, E4M3, [256, 0], torch.bfloat16) and not dg.supports(E4M3, E4M3, [64, 192], torch.bfloat16)
-    assert cublas.supports_wgrad([0, 384, 128]) and cublas.supports_wgrad((256,))
-    assert not cublas.supports_wgrad([128, 129]) and not cublas.supports_wgrad(torch.tensor([128]))
+    assert cublas.supports_wgrad(E4M3, E4M3, [0, 384, 128]) and cublas.supports_wgrad(E5M2, E4M3, (256,))
+    assert not cublas.supports_wgrad(E4M3, E4M3, [128, 129])  # whole 1x128 blocks only
+    assert not cublas.supports_wgrad(E4M3, E4M3, torch.tensor([128]))  # host splits only
+    assert not cublas.supports_wgrad(E5M2, E5M2, [128])  # cuBLAS's FP8 pairs: not both E5M2

@@ -1,18 +1,19 @@
-"""Grouped blockwise-FP8 GEMMs as one cuBLAS ``torch._scaled_mm`` per non-empty expert (Hopper).
+"""Grouped blockwise-FP8 GEMMs as one cuBLAS GEMM per non-empty expert (Hopper).
 
 For splits already on the host (DeepEP returns them as a list): no sync, one
 launch per expert (wgrad's spread over ``NUM_COMPUTE_STREAMS`` streams). Same
 signatures as ``kernels/grouped_gemm.py``; layouts (checked on an H100/H200 with
 torch 2.11, docs/grouped_gemm.md):
 
-- fprop ``A_e [m, K] @ W_e^T``: ``scale_a`` = the 1x128 scales as a column-major
-  ``[m, K/128]``, ``b = W_e.t()``, ``scale_b = S_e.t()`` (128x128 scales).
+- fprop ``A_e [m, K] @ W_e^T`` through ``torch._scaled_mm``: ``scale_a`` = the 1x128
+  scales as a column-major ``[m, K/128]``, ``b = W_e.t()``, ``scale_b = S_e.t()`` (128x128 scales).
 - dgrad ``dY_e [m, N] @ W_e``: cuBLAS wants B column-major, so ``b`` is the
   transposed weight ``W_e^T [K, N]`` made by the caller (``weight_t``), ``.t()``.
-- wgrad ``dY_e^T [N, m] @ X_e [m, K]`` from the expert-major columnwise copies:
-  ``a`` = expert e's contiguous ``[N, m]`` block, ``b`` = its ``[K, m]`` block ``.t()``;
-  the block-major 128x1 scales are already the layouts cuBLAS wants. Needs each
-  group's m a multiple of 128 (no partial 1x128 block along cuBLAS's reduction).
+- wgrad ``dY_e^T [N, m] @ X_e [m, K]`` through cuBLASLt itself (``kernels/cublaslt.py``: beta = 1
+  adds into ``main_grad`` in the epilogue, which ``torch._scaled_mm`` cannot) from the
+  expert-major columnwise copies: expert e's contiguous ``[N, m]`` and ``[K, m]`` blocks and
+  their block-major 128x1 scales, as they lie. Needs each group's m a multiple of 128 (no
+  partial 1x128 block along cuBLAS's reduction) and not both operands E5M2.
 
 cuBLAS blockwise in torch 2.11 gives silently wrong results for 1x128 x 128x128
 (fprop/dgrad) when the reduction has a number of 128-blocks that is not a multiple
@@ -24,7 +25,11 @@ multiple of 128 (checked on an H200: relative error 1.3e-4 at groups of 128, 384
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+from . import cublaslt
 
 # Per-expert wgrad GEMMs go round-robin over this many CUDA streams forked from and joined back into the
 # caller's (as TransformerEngine's NVTE_NUM_COMPUTE_STREAMS for its grouped GEMMs): one expert's GEMM fills
@@ -33,31 +38,29 @@ NUM_COMPUTE_STREAMS = 2
 _STREAMS: dict[tuple, list] = {}
 
 
-def _on_streams(device: torch.device, launch, jobs: list) -> None:
-    """``launch(*job)`` for each of ``jobs`` in order, round-robin over ``NUM_COMPUTE_STREAMS`` side streams
-    that wait for the current stream, which then waits for them (no host sync; capturable). Tensors a
-    launch makes live on its side stream; what it reads or writes was allocated on the current stream,
-    whose later work (reuse of freed memory included) is ordered after the join."""
-    n = min(NUM_COMPUTE_STREAMS, len(jobs))
-    if n <= 1:
-        for job in jobs:
-            launch(*job)
-        return
+@contextlib.contextmanager
+def _side_streams(device: torch.device, jobs: int):
+    """Yields the streams for ``jobs`` launches: up to ``NUM_COMPUTE_STREAMS`` side streams that wait for the
+    current stream on entry, which waits for them on exit (no host sync; capturable); the current stream alone
+    for one launch or one stream. Launches name their stream and allocate nothing on it: what they read or
+    write was allocated on the current stream, whose later work (reuse of freed memory included) is ordered
+    after the join."""
+    n = min(NUM_COMPUTE_STREAMS, jobs)
     main = torch.cuda.current_stream(device)
+    if n <= 1:
+        yield [main]
+        return
     key = (device, n)
     if key not in _STREAMS:
         _STREAMS[key] = [torch.cuda.Stream(device) for _ in range(n)]
     streams = _STREAMS[key]
     for s in streams:
         s.wait_stream(main)
-    try:  # set_stream, not the torch.cuda.stream context: that took ~25 us of host time per switch (H100 host)
-        for i, job in enumerate(jobs):
-            torch.cuda.set_stream(streams[i % n])
-            launch(*job)
+    try:
+        yield streams
     finally:
-        torch.cuda.set_stream(main)
-    for s in streams:
-        main.wait_stream(s)
+        for s in streams:
+            main.wait_stream(s)
 
 
 def supports(reduction: int, m_splits) -> bool:
@@ -65,9 +68,11 @@ def supports(reduction: int, m_splits) -> bool:
     return isinstance(m_splits, (list, tuple)) and reduction % 512 == 0
 
 
-def supports_wgrad(m_splits) -> bool:
-    """Whether the cuBLAS wgrad can run: host splits, each a multiple of 128 (whole 1x128 blocks)."""
-    return isinstance(m_splits, (list, tuple)) and all(s % 128 == 0 for s in m_splits)
+def supports_wgrad(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits) -> bool:
+    """Whether the cuBLAS wgrad can run (given ``cublaslt.available``): not both operands E5M2 (cuBLAS's FP8
+    pairs), host splits, each a multiple of 128 (whole 1x128 blocks)."""
+    return (not a_dtype == b_dtype == torch.float8_e5m2 and isinstance(m_splits, (list, tuple))
+            and all(s % 128 == 0 for s in m_splits))
 
 
 def _col_major(s: torch.Tensor) -> torch.Tensor:
@@ -96,24 +101,9 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
     if out is None:
         out = torch.empty((len(m_splits), n, k), dtype=out_dtype, device=a_t.device)
-    outs = out if isinstance(out, list) else out.unbind(0)
-    dtype = outs[0].dtype if outs else out_dtype
-
-    def launch(args, out_g):
-        if accumulate:  # cuBLAS through torch has no beta: a float32 temporary per expert
-            out_g += torch._scaled_mm(*args, out_dtype=dtype)
-        else:
-            torch._scaled_mm(*args, out_dtype=dtype, out=out_g)  # (~7 us less host time than ops.aten's .out)
-
-    # every expert's operand views from one split per operand (host time: not four slices per expert)
-    rows, blocks = sum(m_splits), [s // 128 for s in m_splits]
-    a_g, b_g = a_t[:n * rows].split([n * s for s in m_splits]), b_t[:k * rows].split([k * s for s in m_splits])
-    sa_g, sb_g = a_t_scale_inv[:sum(blocks)].split(blocks), b_t_scale_inv[:sum(blocks)].split(blocks)
-    jobs = []
-    for g, (size, out_g) in enumerate(zip(m_splits, outs)):
-        if size:
-            jobs.append(((a_g[g].view(n, size), b_g[g].view(k, size).t(), sa_g[g].t(), sb_g[g]), out_g))
-        elif not accumulate:
-            out_g.zero_()
-    _on_streams(a_t.device, launch, jobs)
+    if not accumulate:
+        for g in (g for g, size in enumerate(m_splits) if not size):
+            out[g].zero_()
+    with _side_streams(a_t.device, sum(1 for size in m_splits if size)) as streams:
+        cublaslt.grouped_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out, accumulate, streams)
     return out

@@ -8,8 +8,9 @@ each, same signatures):
 - ``"deepgemm"`` (``kernels/grouped_gemm_deepgemm.py``, optional): DeepGEMM's grouped
   kernels, one launch per GEMM. E4M3 only, groups of multiples of 128 rows; fprop/dgrad
   take host or device splits (no host sync), wgrad needs host splits.
-- ``"cublas"``: one ``torch._scaled_mm`` per non-empty expert; host ``m_splits``,
-  fprop/dgrad reductions in multiples of 512, wgrad groups of multiples of 128 rows,
+- ``"cublas"``: one cuBLAS GEMM per non-empty expert (``torch._scaled_mm`` for fprop/dgrad, cuBLASLt
+  itself for wgrad, which it adds into ``main_grad`` in place); host ``m_splits``, fprop/dgrad
+  reductions in multiples of 512, wgrad groups of multiples of 128 rows,
   see ``kernels/grouped_gemm_cublas.py``.
 - ``"triton"``: one launch per GEMM over all experts; group sizes read on the
   device (``m_splits`` may be a device tensor: no host sync, CUDA-graph safe); any sizes.
@@ -40,7 +41,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from ..backend import IMPLEMENTATIONS, Implementation, implementation
-from ..kernels import grouped_gemm_cublas as cublas, grouped_gemm_deepgemm as deepgemm  # no Triton import
+from ..kernels import cublaslt, grouped_gemm_cublas as cublas, grouped_gemm_deepgemm as deepgemm  # no Triton import
 from ..layout import MSplits, check_m_splits
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
@@ -97,11 +98,14 @@ def _why_not(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, redu
         return None if ok else (
             f"it needs E4M3 operands{'' if wgrad else ', BF16 output'}, and groups of multiples of "
             f"{deepgemm.alignment()} rows{' as a host list' if wgrad else ''}")
-    ok = cublas.supports_wgrad(m_splits) if wgrad else cublas.supports(reduction, m_splits)
-    return None if ok else (
-        "it needs m_splits as a host list and " + ("every group a multiple of 128 rows" if wgrad else
-                                                   f"a reduction dim multiple of 512 (got {reduction})")
-        + " (torch 2.11's cuBLAS blockwise GEMM is silently wrong otherwise)")
+    if wgrad:
+        if not cublaslt.available(a.device):
+            return "its wgrad needs a Hopper (SM90) GPU and cuBLASLt >= 12.9 (1x128 scales) in the process"
+        return None if cublas.supports_wgrad(a.dtype, b_dtype, m_splits) else (
+            "it needs m_splits as a host list, every group a multiple of 128 rows, and not both operands E5M2")
+    return None if cublas.supports(reduction, m_splits) else (
+        f"it needs m_splits as a host list and a reduction dim multiple of 512 (got {reduction}) (torch 2.11's "
+        "cuBLAS blockwise GEMM is silently wrong otherwise)")
 
 
 def _impl(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reduction: int, out_dtype,
