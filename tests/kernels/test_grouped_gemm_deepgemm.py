@@ -80,7 +80,10 @@ def test_auto_picks_deepgemm_only_where_it_can_run():
     assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda")) == "deepgemm"
     assert pick(x.rowwise_data, E5M2, splits) != "deepgemm"  # HYBRID's E5M2 gradients
     assert pick(x.rowwise_data, E4M3, [300, 212, 0, 0]) != "deepgemm"  # groups not multiples of 128
-    assert pick(x.rowwise_data, E4M3, splits, torch.float32, wgrad=True, accumulate=True) == "deepgemm"  # main_grad
+    # main_grad: cuBLASLt's beta = 1 where its per-expert launches pay, else DeepGEMM
+    assert pick(x.rowwise_data, E4M3, splits, torch.float32, wgrad=True, accumulate=True) == "deepgemm"
+    assert pick(x.rowwise_data, E4M3, [512] * 4, torch.float32, wgrad=True, accumulate=True,
+                weight_elements=4096 * 7168) == "cublas"
     # written, not added (BF16, or float32: overwrite_main_grad): DeepGEMM would zero and add; cuBLAS or Triton
     assert pick(x.rowwise_data, E4M3, splits, wgrad=True) != "deepgemm"
     assert pick(x.rowwise_data, E4M3, splits, torch.float32, wgrad=True) != "deepgemm"

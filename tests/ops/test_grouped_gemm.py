@@ -249,7 +249,7 @@ def test_cublas_pays_needs_rows_and_work_per_expert():
     assert not cublas_pays("wgrad", [512] * 64, small_fc1) and not cublas_pays("wgrad", [512] * 64, small_fc2)
     assert cublas_pays("wgrad", [1792] * 8, small_fc1) and not cublas_pays("wgrad", [1792] * 8, small_fc2)
     assert not cublas_pays("fprop", [1024] * 8, v3_fc1) and cublas_pays("fprop", [2048] * 8, v3_fc2)
-    assert cublas_pays("wgrad_accumulate", [0, 8192], v3_fc2) and not cublas_pays("wgrad_accumulate", [0, 8190], v3_fc2)
+    assert cublas_pays("wgrad_accumulate", [0, 1024], v3_fc2) and not cublas_pays("wgrad_accumulate", [0, 1022], v3_fc2)
 
 
 @requires_cuda

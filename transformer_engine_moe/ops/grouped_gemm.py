@@ -22,8 +22,7 @@ reads those rows. ``FP8FlowMoE(device_splits=True)`` puts its worst-case buffer'
 - ``"auto"``: on the GPU, the first of ``AUTO_ORDER`` that can run the call (and, for
   cuBLAS, only experts large enough: ``cublas_pays``); the reference on CPU.
   The order was measured (docs/grouped_gemm.md, ``benchmarks/bench_grouped_gemm.py``): DeepGEMM
-  for fprop/dgrad and for wgrads accumulated into float32, cuBLAS for wgrads written (BF16, or
-  float32: Megatron-FSDP's ``overwrite_main_grad``).
+  for fprop/dgrad, cuBLAS for wgrads (written in BF16 or float32, or added into ``main_grad``).
 
 Host splits: the cuBLAS backend and DeepGEMM's wgrad read the per-expert row counts on
 the host. They use the list the dispatcher already holds (``tokens_per_expert``), never a
@@ -46,23 +45,21 @@ from ..layout import MSplits, check_m_splits
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
 GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "triton", "reference")
-# "auto"'s preference on the GPU, per GEMM kind: the first backend that can run the call. Measured on an
-# H200 at DeepSeek-V3 expert shapes, 512 to 16384 rows per expert (docs/grouped_gemm.md): DeepGEMM leads
-# fprop/dgrad (1.07-1.22 PFLOP/s); for a wgrad written in BF16 DeepGEMM has to zero, accumulate and cast
-# a float32 copy (176-873 TFLOP/s) where cuBLAS writes BF16 (702-930 at >= 1024 rows), or float32 straight
-# into ``out`` (H100: 447-897 against DeepGEMM's 174-858); a wgrad accumulated into float32 (Megatron's
-# main_grad) is DeepGEMM's own form (538-905).
+# "auto"'s preference on the GPU, per GEMM kind: the first backend that can run the call. Measured at
+# DeepSeek-V3 expert shapes, 512 to 16384 rows per expert (H100, docs/grouped_gemm.md): DeepGEMM leads
+# fprop/dgrad (1.09-1.31 PFLOP/s); for a wgrad written in BF16 DeepGEMM has to zero, accumulate and cast a
+# float32 copy (131-874 TFLOP/s) where cuBLAS writes BF16 (564-960), or float32 straight into ``out``
+# (538-940 against DeepGEMM's 174-911); a wgrad added into float32 (Megatron's main_grad) is cuBLASLt's
+# beta = 1 (522 / 517 at 1024 rows, 784 / 763 at 2048, fc1 / fc2) ahead of DeepGEMM's C = D (377 / 385,
+# 768 / 739) and Triton's (389 / 384, 542 / 487), and it also runs on G separate main_grads (Megatron's DDP).
 AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "triton"), "wgrad": ("cublas", "triton"),
-              "wgrad_accumulate": ("deepgemm", "cublas", "triton")}
+              "wgrad_accumulate": ("cublas", "deepgemm", "triton")}
 # "auto" takes cuBLAS only for experts this large on average: below it, its one launch per expert costs
 # more host time than GPU time (all three GEMMs on cuBLAS, 128 experts of ~512 rows: 89 ms step for 65 ms
 # of GPU work). A BF16 wgrad at 512 rows still pays: 601/451 TFLOP/s (fc1/fc2) against Triton's 380/374,
-# and the EP=2 block (128 experts of ~512 rows, DeepGEMM fprop/dgrad) went from 45.7 to 39.0 ms on H200s.
-# A wgrad added into float32 where DeepGEMM cannot run (no DeepGEMM, or main_grads apart: Megatron's DDP) pays
-# with cuBLAS from 4096 rows: its float32 temporary per expert and add lose to Triton below (H100 / H200 at
-# 1024 rows: cuBLAS 310 / 369 TFLOP/s, Triton 385 / 402; at 2048: 480 / 544 against 530 / 546; at 4096 on
-# the H100: 644 against 626 for fc1, 629 against 523 for fc2).
-CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_accumulate": 4096}
+# and the EP=2 block (128 experts of ~512 rows, DeepGEMM fprop/dgrad) went from 45.7 to 39.0 ms on H200s;
+# so does one added into float32 (H100: 265 / 266 against Triton's 236 / 242 and DeepGEMM's 219 / 221).
+CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_accumulate": 512}
 # Those rows were measured on DeepSeek-V3's smaller expert weight (fc2, 2048 x 7168 elements). A smaller
 # weight is less GPU time per launch, so cuBLAS also needs that many multiply-adds per expert: Megatron's
 # deepseek_small (weights 2048 x 2048 and 1024 x 2048, 512 rows per expert, EP=1, one H200) ran host-bound
