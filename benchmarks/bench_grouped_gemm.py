@@ -14,7 +14,8 @@ experts, 65536 rows). Equal splits, each a multiple of 512 so that every backend
   buffer (Megatron's DDP layout of per-expert weights' ``main_grad``s: no ``[G, N, K]`` view, so no
   DeepGEMM); BF16's row adds ``grouped_mm``'s output per expert.
 
-Backends: ``deepgemm`` (when installed), ``cublas`` (one ``torch._scaled_mm`` per expert), ``triton``
+Backends: ``deepgemm`` (when installed), ``cublas`` (one cuBLAS GEMM per expert: ``torch._scaled_mm`` for
+fprop/dgrad, cuBLASLt itself for wgrad), ``triton``
 (device-tensor splits, no host sync), and ``bf16`` (``torch._grouped_mm``). Every FP8 output is checked
 against the float32 reference before it is timed. ``auto`` marks the backend ``ops.grouped_gemm`` picks.
 
@@ -172,15 +173,17 @@ def main():
                                    ceil, sweep(), ["config", "tflops"],
                                    notes="config: (BLOCK_N, GROUP_M, num_warps, num_stages), E=8 65536x4096x7168.")
         print(path.read_text())
-    results = [r for rows in args.rows for gemm in GEMMS for r in run(rows, gemm, args.ops)]
-    path = utils.write_results(
-        f"bench_grouped_gemm{args.suffix}", "Grouped blockwise FP8 GEMMs per backend vs BF16 grouped_mm (TFLOP/s)",
-        env, ceil, results, ["rows_per_expert", "experts", "gemm", "op", "backend", "tflops", "ms", "auto"],
-        notes=(f"fc1: N=4096, K=7168; fc2: N=7168, K=2048; {TOTAL_ROWS} rows (at most {MAX_EXPERTS} experts). "
-               f"Triton launch shapes: fprop/dgrad {kg.GEMM_CONFIG} (BLOCK_N, GROUP_M, warps, stages), wgrad "
-               f"{kg.WGRAD_CONFIG} (BLOCK_N, BLOCK_K, warps, stages). auto=yes: the backend ops.grouped_gemm "
-               "picks with backend='auto' for this call. Every FP8 output checked against the float32 reference "
-               "first (the wgrad_main_grad ops share wgrad's check)."))
+    results = []
+    for rows in args.rows:  # written after each size: a run cut short keeps what it measured
+        results += [r for gemm in GEMMS for r in run(rows, gemm, args.ops)]
+        path = utils.write_results(
+            f"bench_grouped_gemm{args.suffix}", "Grouped blockwise FP8 GEMMs per backend vs BF16 grouped_mm (TFLOP/s)",
+            env, ceil, results, ["rows_per_expert", "experts", "gemm", "op", "backend", "tflops", "ms", "auto"],
+            notes=(f"fc1: N=4096, K=7168; fc2: N=7168, K=2048; {TOTAL_ROWS} rows (at most {MAX_EXPERTS} experts). "
+                   f"Triton launch shapes: fprop/dgrad {kg.GEMM_CONFIG} (BLOCK_N, GROUP_M, warps, stages), wgrad "
+                   f"{kg.WGRAD_CONFIG} (BLOCK_N, BLOCK_K, warps, stages). auto=yes: the backend ops.grouped_gemm "
+                   "picks with backend='auto' for this call. Every FP8 output checked against the float32 "
+                   "reference first (the wgrad_main_grad ops share wgrad's check)."))
     print(path.read_text())
 
 
