@@ -35,17 +35,22 @@ def test_on_a_gpu_machine_the_demo_points_to_the_gpu_benchmark(monkeypatch, tmp_
 
 
 def test_gemm_backends_on_cpu_and_gpu(monkeypatch):
-    from transformer_engine_moe.kernels import grouped_gemm_deepgemm
+    from transformer_engine_moe.kernels import cublaslt, grouped_gemm_deepgemm
 
     assert gemm_backends(torch.device("cpu")) == CPU_PATH
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(grouped_gemm_deepgemm, "available", lambda device: True)
+    monkeypatch.setattr(cublaslt, "available", lambda device: True)
     assert gemm_backends(cuda) == (
         "Triton kernels; grouped GEMMs 'auto', per call the first that can run it: fprop/dgrad DeepGEMM > cuBLAS "
         "(experts of >= 2048 rows and >= 2048 x 14.7M multiply-adds) > Triton; wgrad cuBLAS (experts of >= 512 "
-        "rows and >= 512 x 14.7M multiply-adds) > Triton; wgrad into main_grad DeepGEMM (main_grad as one [G, N, K]) "
-        "> cuBLAS (experts of >= 4096 rows and >= 4096 x 14.7M multiply-adds) > Triton")
+        "rows and >= 512 x 14.7M multiply-adds) > Triton; wgrad into main_grad cuBLAS (experts of >= 512 rows and "
+        ">= 512 x 14.7M multiply-adds) > DeepGEMM (main_grad as one [G, N, K]) > Triton")
     monkeypatch.setattr(grouped_gemm_deepgemm, "available", lambda device: False)
     text = gemm_backends(cuda)
     assert "fprop/dgrad cuBLAS (experts of >= 2048 rows and >= 2048 x 14.7M multiply-adds) > Triton" in text and "DeepGEMM not importable" in text
+    monkeypatch.setattr(cublaslt, "available", lambda device: False)
+    text = gemm_backends(cuda)
+    assert "wgrad Triton; wgrad into main_grad Triton" in text and "cuBLAS's wgrads need cuBLASLt >= 12.9" in text
+    assert "fprop/dgrad cuBLAS" in text  # torch._scaled_mm's
     assert gemm_backends(cuda, "triton") == "Triton kernels; grouped GEMMs 'triton'"
