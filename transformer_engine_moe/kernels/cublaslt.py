@@ -163,7 +163,7 @@ def grouped_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tenso
         out_ptrs = range(out.data_ptr(), out.data_ptr() + step * out.shape[0], step)
         out_dtype = out.dtype
     else:
-        out_ptrs, out_dtype = [o.data_ptr() for o in out], out[0].dtype
+        out_ptrs, out_dtype = [o.data_ptr() for o in out], out[0].dtype if out else None
     launch = [(s.cuda_stream, ctx.workspace(s)) for s in streams]
     a, sa, b, sb = a_t.data_ptr(), a_scale_inv.data_ptr(), b_t.data_ptr(), b_scale_inv.data_ptr()
     beta = ctx.one if accumulate else ctx.zero

@@ -59,8 +59,9 @@ def _bias_rows(bias: torch.Tensor, m_splits: MSplits, m: int) -> torch.Tensor:
 def _wgrad_out(main_grads: list[torch.Tensor]) -> Union[torch.Tensor, list[torch.Tensor], None]:
     """Where the wgrad GEMM writes straight into the weights' ``main_grad``: a single weight's contiguous
     float32 ``[G, N, K]``, or G contiguous float32 ``[N, K]`` anywhere (the op makes them one ``[G, N, K]``
-    view where they lie in order; Megatron's DDP lays them out in reverse, which cuBLAS and Triton write
-    through a table of addresses); None for other buffers (a strided or BF16 ``main_grad``: added after)."""
+    view where they lie in order; Megatron's DDP lays them out in reverse, which cuBLAS writes at each
+    address and Triton through a table of them); None for other buffers (a strided or BF16 ``main_grad``:
+    added after)."""
     if all(t.dtype == torch.float32 and t.is_contiguous() for t in main_grads):
         return main_grads[0] if main_grads[0].dim() == 3 else main_grads
     return None
@@ -156,7 +157,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 main_grads = [w.main_grad for w in ctx.weights]  # per expert [N, K], or one [G, N, K]
                 accumulate = _accumulates_into_main_grad(ctx.weights)
                 out = _wgrad_out(main_grads)
-                if out is not None:  # in place (one [G, N, K] accumulated: DeepGEMM's C = D = main_grad)
+                if out is not None:  # in place (cuBLASLt's beta = 1, DeepGEMM's C = D, Triton's read-add-write)
                     grouped_gemm_wgrad(dy_t, x_t, m_splits, out=out, accumulate=accumulate,
                                        num_groups=module.num_gemms, backend=module.backend)
                 else:
