@@ -42,9 +42,9 @@ _STREAMS: dict[tuple, list] = {}
 def _side_streams(device: torch.device, jobs: int):
     """Yields the streams for ``jobs`` launches: up to ``NUM_COMPUTE_STREAMS`` side streams that wait for the
     current stream on entry, which waits for them on exit (no host sync; capturable); the current stream alone
-    for one launch or one stream. Launches name their stream and allocate nothing on it: what they read or
-    write was allocated on the current stream, whose later work (reuse of freed memory included) is ordered
-    after the join."""
+    for one launch or one stream. Launches name their stream and allocate nothing on it (cuBLASLt's workspace
+    per stream is made once and kept): what they read or write was allocated on the current stream, whose
+    later work (reuse of freed memory included) is ordered after the join."""
     n = min(NUM_COMPUTE_STREAMS, jobs)
     main = torch.cuda.current_stream(device)
     if n <= 1:
