@@ -74,7 +74,7 @@ def _library() -> Optional[ctypes.CDLL]:
 
 @torch.compiler.assume_constant_result
 def available(device: torch.device) -> bool:
-    """Whether ``wgrad`` can run on ``device``: a Hopper (SM90) GPU and cuBLASLt >= 12.9 in the process."""
+    """Whether ``grouped_wgrad`` can run on ``device``: a Hopper (SM90) GPU and cuBLASLt >= 12.9 in the process."""
     return (device.type == "cuda" and torch.version.cuda is not None
             and torch.cuda.get_device_capability(device)[0] == 9 and _library() is not None)
 
