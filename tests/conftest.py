@@ -52,6 +52,11 @@ def survives(code: str) -> str:
     return run.stdout
 
 
+def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in float32 (the norm of ``b`` floored at 1e-30: no division by zero)."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bitwise equality of two float32 tensors, NaN included (``torch.equal`` says NaN != NaN): scales,
     where a block holding +-inf has scale_inv NaN."""

@@ -7,11 +7,8 @@ import pytest
 import torch
 
 from baselines import BF16GroupedMMBlock, BF16LoopMoE, BlockwiseCastsMoE
+from conftest import relerr
 from transformer_engine_moe import FP8FlowMoE, Float8BlockwiseQTensor
-
-
-def relerr(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def routed(t=96, e=4, elsewhere=False):

@@ -7,16 +7,12 @@ refused. CPU: not available, and the op's cuBLAS wgrad refuses by name."""
 import pytest
 import torch
 
-from conftest import CUDA, assert_no_host_sync, requires_cuda
+from conftest import CUDA, assert_no_host_sync, relerr, requires_cuda
 from transformer_engine_moe import quantize_blockwise, scaling_aware_transpose
 from transformer_engine_moe.kernels import cublaslt
 from transformer_engine_moe.ops.grouped_gemm import grouped_gemm_wgrad
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-def relerr(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def expert_blocks(m, n, k, dy_fp8=E4M3):

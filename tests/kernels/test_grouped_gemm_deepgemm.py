@@ -6,7 +6,7 @@ host sync, GroupedLinear on it, and a clear error where DeepGEMM is absent or ca
 import pytest
 import torch
 
-from conftest import CUDA, assert_no_host_sync
+from conftest import CUDA, assert_no_host_sync, relerr
 from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise, quantize_grouped_weight
 from transformer_engine_moe.kernels import grouped_gemm_deepgemm as dg
 from transformer_engine_moe.module import GroupedLinear
@@ -19,10 +19,6 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 TOL = 2e-3  # as tests/ops/test_grouped_gemm.py on the GPU
 # Four experts and one (N, K) everywhere: DeepGEMM compiles a kernel per (groups, N, K), tens of seconds each.
 SPLITS = [[0, 384, 128, 512], [1024, 0, 0, 0], [128] * 4, [0, 0, 0, 256]]
-
-
-def relerr(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def operands(splits, n=256, k=512, fp8=E4M3):

@@ -4,16 +4,12 @@ expert; FP8 input; zero-row experts; list vs tensor splits; main_grad fusion; FP
 import pytest
 import torch
 
-from conftest import CUDA, KERNEL_DEVICE, assert_no_host_sync, requires_cuda
+from conftest import CUDA, KERNEL_DEVICE, assert_no_host_sync, relerr, requires_cuda
 from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise
 from transformer_engine_moe.module import GroupedLinear
 from transformer_engine_moe.ops.grouped_gemm import stacked_view
 
 BACKENDS = ["reference", "triton"] + (["cublas"] if CUDA else [])  # deepgemm: tests/kernels
-
-
-def relerr(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def setup(splits, k=256, n=128, backend="triton", device=KERNEL_DEVICE, **kw):

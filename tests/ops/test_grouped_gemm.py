@@ -5,7 +5,7 @@ transpose: test_transpose.py)."""
 import pytest
 import torch
 
-from conftest import CUDA, KERNEL_DEVICE, requires_cuda
+from conftest import CUDA, KERNEL_DEVICE, relerr, requires_cuda
 from transformer_engine_moe import quantize_blockwise, scaling_aware_transpose
 from transformer_engine_moe.ops.grouped_gemm import (CUBLAS_MIN_WEIGHT, _impl, cublas_pays, grouped_gemm,
                                                      grouped_gemm_wgrad, stacked_view)
@@ -16,10 +16,6 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # FP8 tensor cores keep a reduced-precision accumulator inside each 128-wide block (~14 bits, DeepSeek-V3
 # report), hence the looser GPU bound; under the interpreter the products are summed in float32.
 TOL = 2e-3 if CUDA else 1e-5
-
-
-def relerr(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
 def weights(g, n, k, device=KERNEL_DEVICE):
