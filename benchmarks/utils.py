@@ -1,5 +1,6 @@
-"""Shared scaffold for the microbenchmarks: timing, the copy-bandwidth ceiling, saved-activation bytes,
-result files, and the expert-parallel runs (one process per GPU, or gloo on CPU processes).
+"""Shared scaffold for the microbenchmarks: timing (one call; interleaved rounds; host time), the MoE block step,
+runs in fresh processes and their aggregation, the copy-bandwidth ceiling, saved-activation bytes, result files,
+and the expert-parallel runs (one process per GPU, or gloo on CPU processes).
 
 Every benchmark measures its baselines in the same run, reports bytes/FLOPs
 over time against ceilings measured on the same device, and writes
@@ -11,12 +12,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.metadata
+import importlib.util
+import itertools
 import json
 import os
 import pathlib
 import platform
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
@@ -35,6 +42,123 @@ def time_ms(fn: Callable[[], object], warmup_ms: int = 50, rep_ms: int = 300) ->
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def cuda_ms_per_call(fn: Callable[[], object], calls: int) -> float:
+    """Device milliseconds per call of ``calls`` back-to-back calls of ``fn``, between two CUDA events recorded
+    on the current stream, from an idle device (synchronized before)."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / calls
+
+
+def interleaved_ms(steps: dict[str, Callable[[], object]], rounds: int, calls: int,
+                   clock: Callable[[Callable[[], object], int], float] = cuda_ms_per_call) -> dict[str, list[float]]:
+    """``name -> [ms per call in each round]`` for warmed-up ``steps``, timed in ``rounds`` rounds that
+    interleave them: each round times every step over ``calls`` calls (``clock``), and the order rotates by
+    one step each round. Clock and thermal drift over the run then reach every step alike, and each step
+    runs next to the others in one warm caching allocator."""
+    names = list(steps)
+    out = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            out[name].append(clock(steps[name], calls))
+    return out
+
+
+def host_and_wall_ms(step, steps: int, sync) -> tuple[float, float]:
+    """Medians over ``steps`` of (ms until ``step()`` returns, ms until ``sync()`` returns), each from an idle
+    device (``sync`` before): what the host spends issuing a step, and the step's whole time."""
+    host, wall = [], []
+    for _ in range(steps):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        sync()
+        host.append((t1 - t0) * 1e3)
+        wall.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(host), statistics.median(wall)
+
+
+# is_first_microbatch of an MoE block's successive steps, by how its FP8 weights are treated
+FP8_WEIGHTS = {
+    "cached": lambda: itertools.chain([True], itertools.repeat(False)),  # a step's later micro-batches
+    "requantized": lambda: itertools.repeat(True),  # a step's first micro-batch: quantized, cached anew
+    "uncached": lambda: itertools.repeat(None),  # no cache (Megatron's --disable-parameter-transpose-cache)
+}
+
+
+def moe_step(block, x, ids, probs, dy, fp8_weights: str = "cached") -> Callable[[], None]:
+    """One forward + backward of an MoE ``block`` (``forward_topk(x [T, H], ids [T, k], probs [T, k],
+    is_first_microbatch)``, ``x`` a leaf with ``requires_grad``) with output gradient ``dy [T, H]``; the
+    gradients are set to None first, as an optimizer's ``zero_grad`` does (else autograd adds each step's
+    weight gradients into the last's: a pass over all parameters that no training step makes).
+    ``fp8_weights`` (``FP8_WEIGHTS``): ``cached``, ``requantized`` or ``uncached``; BF16 blocks ignore it."""
+    if fp8_weights not in FP8_WEIGHTS:
+        raise ValueError(f"fp8_weights must be one of {sorted(FP8_WEIGHTS)}, got {fp8_weights!r}")
+    flags = FP8_WEIGHTS[fp8_weights]()
+
+    def step():
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        block.forward_topk(x, ids, probs, is_first_microbatch=next(flags)).backward(dy)
+
+    return step
+
+
+def in_fresh_processes(argv: Sequence[str], processes: int, out_flag: str = "--worker-out") -> list:
+    """Run ``python *argv <out_flag> PATH`` ``processes`` times, one after the other, each a fresh Python
+    process (no JIT, allocator or autotuning state carried over; the on-disk kernel caches are), and return
+    the JSON each wrote to its PATH. A process that fails raises ``CalledProcessError``."""
+    if not isinstance(processes, int) or processes < 1:
+        raise ValueError(f"processes must be a positive int, got {processes!r}")
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(processes):
+            path = pathlib.Path(tmp, f"process{i}.json")
+            print(f"process {i + 1}/{processes}: {' '.join(argv)}", flush=True)
+            subprocess.run([sys.executable, *argv, out_flag, str(path)], check=True)
+            results.append(json.loads(path.read_text()))
+    return results
+
+
+def spread(values: Sequence[float]) -> float:
+    """``(max - min) / median`` of ``values``: how far apart fresh processes measure one thing."""
+    return (max(values) - min(values)) / statistics.median(values)
+
+
+def across_processes(per_process: Sequence[dict[str, float]], baseline: str) -> dict[str, dict]:
+    """``name -> aggregate`` over processes, from each process's ``{name: ms}``. The speedup over ``baseline``
+    is taken in each process (its own baseline, same clocks and allocator) and then aggregated:
+    ``ms``/``speedup`` the medians over the processes that measured the name, ``ms_per_process``/
+    ``speedup_per_process`` each process's value, ``ms_spread``/``speedup_spread`` their ``spread``,
+    ``processes`` how many measured it. Every process must measure ``baseline``."""
+    if not per_process or any(baseline not in p for p in per_process):
+        raise ValueError(f"every process must measure the baseline {baseline!r}, got {list(per_process)}")
+    out = {}
+    for name in dict.fromkeys(n for p in per_process for n in p):
+        ms = [p[name] for p in per_process if name in p]
+        speedups = [p[baseline] / p[name] for p in per_process if name in p]
+        out[name] = dict(ms=statistics.median(ms), speedup=statistics.median(speedups), ms_per_process=ms,
+                         speedup_per_process=speedups, ms_spread=spread(ms), speedup_spread=spread(speedups),
+                         processes=len(ms))
+    return out
+
+
+def gpu_state() -> dict:
+    """The GPU's SM clock (MHz), temperature (C) and power draw (W) now, as nvidia-smi reports them (through
+    pynvml; empty without it): recorded around timed runs, as a clock that throttled explains a slow one."""
+    try:
+        return dict(sm_clock_mhz=torch.cuda.clock_rate(), temperature_c=torch.cuda.temperature(),
+                    power_w=torch.cuda.power_draw() / 1e3)
+    except Exception as e:  # noqa: BLE001 (no pynvml, NVML refusing: the run goes on without these)
+        return dict(unavailable=f"{type(e).__name__}: {e}")
 
 
 def cuda_graph(step: Callable[[], object], warmup: int = 2) -> "torch.cuda.CUDAGraph":
@@ -115,15 +239,26 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
+        "transformer_engine": transformer_engine_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
 
+def transformer_engine_version() -> str:
+    """TransformerEngine's installed version, without importing it ("not installed" when absent)."""
+    try:
+        return importlib.metadata.version("transformer_engine")
+    except importlib.metadata.PackageNotFoundError:
+        return "importable, no package metadata" if importlib.util.find_spec("transformer_engine") else "not installed"
+
+
 def markdown_table(rows: Sequence[dict], columns: Sequence[str], formats: Optional[dict] = None) -> str:
     """A GitHub markdown table of ``rows`` restricted to ``columns``: floats to 3 significant digits, or
-    with ``formats[column]`` (a format spec, e.g. ``".4f"``)."""
+    with ``formats[column]`` (a format spec, e.g. ``".4f"``); a list's items so, joined by " / "."""
 
     def fmt(v, c):
+        if isinstance(v, (list, tuple)):
+            return " / ".join(fmt(x, c) for x in v)
         return f"{v:{(formats or {}).get(c, '.3g')}}" if isinstance(v, float) else str(v)
 
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -132,9 +267,10 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[str], formats: Option
 
 
 def write_results(name: str, title: str, env: dict, ceilings: dict, rows: Sequence, columns: Sequence[str],
-                  notes: str = "", formats: Optional[dict] = None) -> pathlib.Path:
+                  notes: str = "", formats: Optional[dict] = None, group_by: Optional[str] = None) -> pathlib.Path:
     """Write ``<name>.json`` and ``<name>.md`` under benchmarks/results (``formats``: ``markdown_table``'s);
-    return the markdown path."""
+    return the markdown path. ``group_by``: the markdown has one table per value of that key, each with the
+    ``columns`` its rows have."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     rows = [dataclasses.asdict(r) if dataclasses.is_dataclass(r) else dict(r) for r in rows]
     (RESULTS_DIR / f"{name}.json").write_text(
@@ -143,12 +279,34 @@ def write_results(name: str, title: str, env: dict, ceilings: dict, rows: Sequen
     md = [f"# {title}", ""]
     md += [f"- {k}: {v}" for k, v in env.items()]
     md += [f"- {k}: {v:.3g}" if isinstance(v, float) else f"- {k}: {v}" for k, v in ceilings.items()]
-    md += ["", markdown_table(rows, columns, formats), ""]
+    if group_by is None:
+        md += ["", markdown_table(rows, columns, formats), ""]
+    for value in dict.fromkeys(r.get(group_by) for r in rows) if group_by else ():
+        group = [r for r in rows if r.get(group_by) == value]
+        present = [c for c in columns if any(c in r for r in group)]
+        md += ["", f"## {group_by}: {value}", "", markdown_table(group, present, formats), ""]
     if notes:
         md += [notes.strip(), ""]
     path = RESULTS_DIR / f"{name}.md"
     path.write_text("\n".join(md))
     return path
+
+
+def merge_stored(name: str, key: str, rows: Sequence[dict], env: dict, default: str) -> tuple[list[dict], dict]:
+    """``(rows kept, env)`` for a run that measured ``rows`` at some values of ``key`` (a shape, a config):
+    the rows of the stored ``<name>.json`` at other values of ``key`` (a stored row without ``key`` is at
+    ``default``: written before ``key`` was recorded), then ``rows``; ``env`` with ``runs``, the device and date
+    of the rows at each value."""
+    stored, kept, runs = RESULTS_DIR / f"{name}.json", [], {}
+    values = {r[key] for r in rows}
+    if stored.exists():
+        old = json.loads(stored.read_text())
+        kept = [r for r in (dict(r, **{key: r.get(key, default)}) for r in old["results"]) if r[key] not in values]
+        old_env = old["environment"]
+        runs = {v: old_env.get("runs", {}).get(v, f"{old_env['device']}, {old_env['date']}")
+                for v in dict.fromkeys(r[key] for r in kept)}
+    runs.update({v: f"{env['device']}, {env['date']}" for v in dict.fromkeys(r[key] for r in rows)})
+    return kept + list(rows), dict(env, runs=runs)
 
 
 # ---------------------------------------------------------------- expert parallelism (bench_dispatch, bench_ep_scaling)
