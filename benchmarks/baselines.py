@@ -13,11 +13,16 @@ torchtitan writes its experts: weights stacked ``[E, 2F, H]`` (gate rows, then u
 a stable argsort of the routed expert ids as the permute, ``torch._grouped_mm`` over the ragged groups
 (no padding), BF16 SwiGLU with the router prob applied to its output, and ``index_add_`` back to the
 tokens. Autograd differentiates it; nothing syncs with the host.
+``TEGroupedLinearBlock`` has the same permute with TransformerEngine's ``GroupedLinear`` as the experts, in
+BF16 or under a TE recipe (``Float8BlockScaling``: TE's blockwise FP8 with its casts), as Megatron's
+``TEGroupedMLP`` runs them; ``transformer_engine()`` says whether TE imports, and why not.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+import importlib
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -98,19 +103,12 @@ def grouped_swiglu(x: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor, fc2:
     return torch._grouped_mm(act, fc2.transpose(-2, -1), offs=offs)
 
 
-class BF16GroupedMMBlock(nn.Module):
-    """``forward_topk(hidden [T, H] BF16, topk_ids [T, k] int64, topk_probs [T, k] float32) -> [T, H]``
-    over ``E`` local experts with ``fc1 [E, 2F, H]`` and ``fc2 [E, H, F]`` BF16 parameters."""
+class _SortedRoutingBlock(nn.Module):
+    """``forward_topk(hidden [T, H] BF16, topk_ids [T, k] int64, topk_probs [T, k] float32) -> [T, H]`` over
+    ``num_experts`` local experts: a stable argsort of the routed expert ids as the permute, the experts'
+    ``mlp`` on the rows grouped by expert, ``index_add_`` back to the tokens."""
 
-    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor):
-        super().__init__()
-        self.fc1 = nn.Parameter(fc1.detach().clone())
-        self.fc2 = nn.Parameter(fc2.detach().clone())
-
-    @classmethod
-    def from_block(cls, block) -> "BF16GroupedMMBlock":
-        """The same experts as an ``FP8FlowMoE`` (its ``linear_fc1/2.weight{i}`` stacked)."""
-        return cls(torch.stack(block.linear_fc1.weights), torch.stack(block.linear_fc2.weights))
+    num_experts: int
 
     def forward_topk(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
                      is_first_microbatch=None, num_routed=None) -> torch.Tensor:
@@ -119,18 +117,125 @@ class BF16GroupedMMBlock(nn.Module):
         ``sum(tokens_per_expert)``): only those rows are gathered and computed (``torch._grouped_mm``
         leaves rows past the last offset undefined, gradients included). None: every slot is routed
         here (asserted on the device, no host sync)."""
-        num_experts, k = self.fc1.shape[0], topk_ids.shape[1]
+        k = topk_ids.shape[1]
         flat = topk_ids.reshape(-1)
         if num_routed is None:
             torch._assert_async((flat >= 0).all(), "topk_ids has slots routed elsewhere (-1): pass num_routed")
-        flat = torch.where(flat < 0, num_experts, flat)  # unused slots sort last, past offs[-1]
+        flat = torch.where(flat < 0, self.num_experts, flat)  # unused slots sort last, past offs[-1]
         order = torch.argsort(flat, stable=True)[:flat.numel() if num_routed is None else num_routed]
-        counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+        counts = torch.zeros(self.num_experts + 1, dtype=torch.int32, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # bincount syncs; this does not
-        offs = counts[:num_experts].cumsum(0, dtype=torch.int32)
         token = order // k
-        y = grouped_swiglu(hidden[token], topk_probs.reshape(-1)[order], self.fc1, self.fc2, offs)
+        y = self.mlp(hidden[token], topk_probs.reshape(-1)[order], counts[:self.num_experts], is_first_microbatch)
         return torch.zeros_like(hidden).index_add_(0, token, y)
+
+    def mlp(self, x: torch.Tensor, probs: torch.Tensor, counts: torch.Tensor, is_first_microbatch) -> torch.Tensor:
+        """Rows grouped by expert ``x [M, H]``, their router probs ``[M]``, ``counts [E]`` int32 on the device
+        (rows per expert) -> ``[M, H]``."""
+        raise NotImplementedError
+
+
+class BF16GroupedMMBlock(_SortedRoutingBlock):
+    """The sorted-routing block with ``E`` local experts of ``fc1 [E, 2F, H]`` and ``fc2 [E, H, F]`` BF16
+    parameters and ``grouped_swiglu`` (``torch._grouped_mm``, no padding) as the experts; nothing syncs with
+    the host."""
+
+    def __init__(self, fc1: torch.Tensor, fc2: torch.Tensor):
+        super().__init__()
+        self.fc1 = nn.Parameter(fc1.detach().clone())
+        self.fc2 = nn.Parameter(fc2.detach().clone())
+        self.num_experts = fc1.shape[0]
+
+    @classmethod
+    def from_block(cls, block) -> "BF16GroupedMMBlock":
+        """The same experts as an ``FP8FlowMoE`` (its ``linear_fc1/2.weight{i}`` stacked)."""
+        return cls(torch.stack(block.linear_fc1.weights), torch.stack(block.linear_fc2.weights))
+
+    def mlp(self, x, probs, counts, is_first_microbatch):
+        return grouped_swiglu(x, probs, self.fc1, self.fc2, counts.cumsum(0, dtype=torch.int32))
+
+
+def transformer_engine():
+    """``(transformer_engine.pytorch, "")`` when it imports, else ``(None, why not)``."""
+    try:
+        return importlib.import_module("transformer_engine.pytorch"), ""
+    except ModuleNotFoundError as e:
+        if e.name in ("transformer_engine", "transformer_engine.pytorch"):
+            return None, "TransformerEngine is not installed (no module transformer_engine.pytorch)"
+        return None, f"transformer_engine.pytorch does not import: {type(e).__name__}: {e}"
+    except (ImportError, OSError, RuntimeError) as e:  # a missing shared library, a version check
+        return None, f"transformer_engine.pytorch does not import: {type(e).__name__}: {e}"
+
+
+def float8_block_scaling():
+    """TE's ``Float8BlockScaling()`` recipe (1x128 activations and gradients, 128x128 weights, power-of-two
+    scales: the paper's "blockwise" baseline); ``ImportError`` with the reason without TE."""
+    te, why = transformer_engine()
+    if te is None:
+        raise ImportError(why)
+    from transformer_engine.common.recipe import Float8BlockScaling
+
+    return Float8BlockScaling()
+
+
+class TEGroupedLinearBlock(_SortedRoutingBlock):
+    """The sorted-routing block with TransformerEngine's ``GroupedLinear`` as the experts, computed as
+    Megatron's ``TEGroupedMLP`` computes them: ``linear_fc1`` (``E`` GEMMs ``H -> 2F``, gate rows then up),
+    SwiGLU with the router prob applied to its output, ``linear_fc2`` (``F -> H``), no bias.
+
+    ``recipe`` None: BF16 GEMMs. A TE recipe (``transformer_engine.common.recipe.Float8BlockScaling()``: the
+    blockwise FP8 baseline "with casts"): forward under TE's ``autocast`` with it, each GEMM quantizing its
+    BF16 input and returning BF16, each expert's rows padded by TE's ``Fp8Padding`` (the probs too) and
+    unpadded after fc2, as ``TEGroupedMLP`` does. TE takes the rows per expert as a host list: one
+    device-to-host copy of the counts per step (Megatron's dispatchers hand ``TEGroupedMLP`` host counts).
+    Needs TransformerEngine: ``ImportError`` with the reason without it."""
+
+    def __init__(self, fc1: Sequence[torch.Tensor], fc2: Sequence[torch.Tensor], recipe=None):
+        """``fc1``: ``E`` weights ``[2F, H]``; ``fc2``: ``E`` weights ``[H, F]`` (copied into TE's
+        ``weight{i}`` parameters, same dtype and device)."""
+        super().__init__()
+        te, why = transformer_engine()
+        if te is None:
+            raise ImportError(why)
+        self.te, self.recipe, self.num_experts = te, recipe, len(fc1)
+        if len(fc2) != self.num_experts:
+            raise ValueError(f"fc1 and fc2 must hold one weight per expert, got {len(fc1)} and {len(fc2)}")
+        for name, weights in (("linear_fc1", fc1), ("linear_fc2", fc2)):
+            out_features, in_features = weights[0].shape
+            linear = te.GroupedLinear(self.num_experts, in_features, out_features, bias=False,
+                                      params_dtype=weights[0].dtype, device=weights[0].device)
+            with torch.no_grad():
+                for i, w in enumerate(weights):
+                    getattr(linear, f"weight{i}").copy_(w)
+            setattr(self, name, linear)
+        self.padding = te.Fp8Padding(self.num_experts) if recipe is not None else None
+        self.unpadding = te.Fp8Unpadding(self.num_experts) if recipe is not None else None
+
+    @classmethod
+    def from_block(cls, block, recipe=None) -> "TEGroupedLinearBlock":
+        """The same experts as an ``FP8FlowMoE`` (its ``linear_fc1/2.weight{i}``)."""
+        return cls(block.linear_fc1.weights, block.linear_fc2.weights, recipe)
+
+    def _autocast(self):
+        """TE's ``autocast(recipe=...)`` (TE >= 2.9), else its ``fp8_autocast(fp8_recipe=...)``; nothing in BF16."""
+        if self.recipe is None:
+            return contextlib.nullcontext()
+        if hasattr(self.te, "autocast"):
+            return self.te.autocast(enabled=True, recipe=self.recipe)
+        return self.te.fp8_autocast(enabled=True, fp8_recipe=self.recipe)
+
+    def mlp(self, x, probs, counts, is_first_microbatch):
+        splits = counts.tolist()  # TE's split path takes host splits
+        probs = probs.unsqueeze(-1)
+        with self._autocast():
+            padded = splits
+            if self.padding is not None:
+                x, padded = self.padding(x, splits)
+                probs, _ = self.padding(probs, splits)
+            h = self.linear_fc1(x, padded, is_first_microbatch=is_first_microbatch)
+            gate, up = h.chunk(2, dim=-1)
+            y = self.linear_fc2(F.silu(gate) * up * probs.to(h.dtype), padded, is_first_microbatch=is_first_microbatch)
+            return y if self.unpadding is None else self.unpadding(y, splits)
 
 
 class BF16GroupedMMEP(nn.Module):
