@@ -1,47 +1,116 @@
 """The FP8-Flow MoE expert block vs BF16 blocks and blockwise FP8 with casts, EP=1, per rank, on the GPU.
 
-DeepSeek-V3 experts (hidden 7168, ffn 2048, top-8, 16384 tokens = 131072 routed rows) over 8, 32, 64 and
-128 local experts: what one rank holds at EP = 32, 8, 4, 2 with 256 experts. Step: forward + backward of
-the block, router outside, FP8 weights quantized once per step (a step's first micro-batch) and reused by
-the moe_expert rerun, gradients set to None before each step as an optimizer's ``zero_grad`` does (else
-autograd adds every step's weight gradients into the last: a BF16 pass over all parameters, 4.2 ms per
-step at 64 experts on an H200, in every block). Blocks, all with the same parameters and routing:
+Shapes (``--shape``, ``SHAPES``): ``deepseek_v3``, DeepSeek-V3's experts (hidden 7168, ffn 2048, top-8, 16384
+tokens = 131072 routed rows) over 8, 32, 64 and 128 local experts, what one rank holds at EP = 32, 8, 4, 2
+with 256 experts; ``qwen3_moe_like``, Qwen3-30B-A3B's (hidden 2048, ffn 768, top-8, 16384 tokens, 128 experts:
+1024 rows each). Step: forward + backward of the block, router outside, gradients set to None before each
+step (``utils.moe_step``). All blocks of a run have the same parameters and routing.
+
+**Rows over fresh processes** (``--processes N``, default 3 at ``qwen3_moe_like``): each of N fresh Python
+processes, one after the other, builds every block and measures them all; a row is the median over the
+processes, with the speedup over ``bf16_grouped_mm`` taken in each process (its own baseline) and then
+aggregated, its spread ``(max - min) / median`` and each process's value (``utils.across_processes``).
+Blocks (``VARIANTS``):
 
 - ``bf16_grouped_mm``: the strongest BF16 block (``baselines.BF16GroupedMMBlock``: stacked weights,
-  ``torch._grouped_mm``, no padding); every speedup is over it, measured in the same run;
-- ``bf16_loop``: BF16 per-expert cuBLAS GEMMs (``baselines.BF16LoopMoE``);
-- ``blockwise_casts``: blockwise FP8 with BF16 between ops (TransformerEngine's Float8BlockScaling,
-  ``baselines.BlockwiseCastsMoE``);
-- ``fp8_flow`` and ``fp8_flow+moe_expert``: FP8-Flow, ``gemm_backend="auto"``;
-- ``fp8_flow_triton``: FP8-Flow on the Triton GEMMs alone (host splits, eager);
-- ``fp8_flow_graph``: FP8-Flow with ``device_splits=True`` and the Triton GEMMs, forward + backward
-  captured in one CUDA graph, timed as replays (no host sync anywhere in the step);
-  ``fp8_flow_graph_auto``: the same with ``gemm_backend="auto"`` (DeepGEMM fprop/dgrad, Triton wgrad).
-  Their memory columns are of the same step run eagerly.
+  argsort permute, ``torch._grouped_mm``, no padding, index_add unpermute); every speedup is over it;
+- ``fp8_flow``: FP8-Flow (``gemm_backend="auto"``) with its FP8 weights cached as in the middle of a step
+  (``is_first_microbatch=True`` on the first call, ``False`` on every later one);
+- ``fp8_flow_requant``: the weights requantized every step (``True`` each call: a step's first micro-batch);
+- ``fp8_flow+moe_expert``: ``recompute="moe_expert"``, weights cached as ``fp8_flow``;
+- ``te_bf16`` / ``te_blockwise``: TransformerEngine's ``GroupedLinear`` as the experts behind the same
+  permute, in BF16 / under ``Float8BlockScaling`` (TE's blockwise FP8 with its casts, weights cached as
+  ``fp8_flow``; ``baselines.TEGroupedLinearBlock``); rows with the reason where TE does not import.
 
-Reports step time (``fp8_flow`` and ``fp8_flow+moe_expert`` also without the FP8 weight cache, as
-Megatron's ``--disable-parameter-transpose-cache``), peak memory above the inputs, activation bytes kept
-for backward, and (``--profile``) where the GPU time of the ``fp8_flow`` step and of the
-``fp8_flow_graph_auto`` replay goes at the given expert counts: GEMMs vs the rest, by kernel. Writes a PNG.
+How each process times them, against the causes of the 1.06x-1.45x spread issue 37 measured for one block
+over five processes: (1) JIT and first-call work (Triton compilation, DeepGEMM's JIT, cuBLASLt heuristics,
+TE's setup, the FP8 weight cache's first fill) is done before any timing: every block runs
+``--warmup`` steps in its timed mode, then one untimed round of all of them; nothing times a call count
+estimated from a first call (``do_bench`` does, so a slow first call shortens its run). (2) Clock and thermal
+drift: the blocks are timed in ``--rounds`` interleaved rounds, the order rotating each round, each round
+``--calls`` back-to-back steps between CUDA events; a block's figure is the median over rounds, so all
+blocks see the same clocks; the GPU's SM clock, temperature and power are recorded at each process's start
+and end (clocks are left as the machine sets them). (3) Allocator: all blocks step in one process, one warm
+caching allocator, no ``empty_cache`` between them. (4) What remains between processes (the host CPU's
+speed, which a step that syncs once for its counts feels, or the GPU's state) shows as the rows' spread;
+``host_ms`` (host time of a step from an idle GPU, median over the processes) says how host-bound a block is.
 
-Run on a GPU: ``python benchmarks/bench_moe_layer.py [--experts 8 32 64 128] [--profile 64 128] [--suffix _h200]``
-(``--experts`` with no count: the profile alone).
+**One-process sweep** (``--processes 0``, default at ``deepseek_v3``): every block of ``BLOCKS`` and
+``OTHER_BLOCKS`` in turn (``do_bench``), also ``bf16_loop``, ``blockwise_casts``, ``fp8_flow_triton``,
+``fp8_flow_graph`` / ``fp8_flow_graph_auto`` (forward + backward captured in one CUDA graph, replays timed);
+the FP8 weights requantized every step (``fp8_flow``, ``fp8_flow+moe_expert`` also without the cache, as
+Megatron's ``--disable-parameter-transpose-cache``); peak memory above the inputs and activation bytes
+kept for backward.
+
+``--profile``: where the GPU time of one step goes, by kernel category, then the largest kernels with the op
+that launched each (torch.profiler): the sweep's ``fp8_flow`` and ``fp8_flow_graph_auto`` at ``deepseek_v3``,
+every block of the rows at ``qwen3_moe_like``.
+
+Results: ``bench_moe_layer{suffix}`` .json/.md (one table per shape; a run replaces the rows of its shape and
+keeps the others), ``bench_moe_layer{suffix}.png`` (sweep) or ``bench_moe_layer_<shape>{suffix}.png``, and
+``bench_moe_layer[_<shape>]_profile{suffix}``. Run on a GPU:
+
+    python benchmarks/bench_moe_layer.py --shape qwen3_moe_like            # rows, 3 fresh processes
+    python benchmarks/bench_moe_layer.py --shape qwen3_moe_like --experts --profile   # the profile alone
+    python benchmarks/bench_moe_layer.py [--experts 8 32 64 128] [--profile 64 128] [--suffix _h200]
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import dataclasses
+import json
+import statistics
 
 import torch
 
 from transformer_engine_moe.module import FP8FlowMoE, GroupedLinear
 
+import kernel_profile
 import utils
-from baselines import BF16GroupedMMBlock, BF16LoopMoE, BlockwiseCastsMoE
+from baselines import BF16GroupedMMBlock, BF16LoopMoE, BlockwiseCastsMoE, TEGroupedLinearBlock, float8_block_scaling
 
-TOKENS, HIDDEN, FFN, TOPK = 16384, 7168, 2048, 8
-# name -> (the block over the FP8-Flow block's parameters, recompute)
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """An MoE layer's expert shapes at EP=1: ``tokens`` per step, ``hidden``, each expert's ``ffn``, ``topk``,
+    and the local expert counts measured by default (``experts``); ``processes``: the default of
+    ``--processes`` (0: the one-process sweep)."""
+
+    tokens: int
+    hidden: int
+    ffn: int
+    topk: int
+    experts: tuple[int, ...]
+    processes: int
+
+    def rows_per_expert(self, experts: int) -> int:
+        return self.tokens * self.topk // experts
+
+
+SHAPES = {"deepseek_v3": Shape(16384, 7168, 2048, 8, (8, 32, 64, 128), processes=0),
+          "qwen3_moe_like": Shape(16384, 2048, 768, 8, (128,), processes=3)}
+BASELINE = "bf16_grouped_mm"
+
+
+def _fp8_twin(block: FP8FlowMoE, **kw) -> FP8FlowMoE:
+    """A second FP8-Flow block with ``block``'s shapes and parameters (its own FP8 weight cache), built with ``kw``."""
+    twin = FP8FlowMoE(block.num_experts, block.linear_fc1.in_features, block.linear_fc2.in_features, block.topk,
+                      device=block.linear_fc1.weight_params[0].device, **kw)
+    twin.load_state_dict(block.state_dict())
+    return twin
+
+
+# Rows over fresh processes: name -> (its FP8 weights step to step, utils.FP8_WEIGHTS; the block, made from the
+# fp8_flow block). BF16 blocks ignore the first; te_* rows are skipped with the reason where TE does not run.
+VARIANTS = {BASELINE: ("uncached", BF16GroupedMMBlock.from_block),
+            "fp8_flow": ("cached", lambda block: block),
+            "fp8_flow_requant": ("requantized", _fp8_twin),
+            "fp8_flow+moe_expert": ("cached", lambda block: _fp8_twin(block, recompute="moe_expert")),
+            "te_bf16": ("uncached", TEGroupedLinearBlock.from_block),
+            "te_blockwise": ("cached", lambda block: TEGroupedLinearBlock.from_block(block, float8_block_scaling()))}
+OPTIONAL = ("te_bf16", "te_blockwise")
+# The one-process sweep: name -> (the block over the FP8-Flow block's parameters, recompute)
 BLOCKS = {"bf16_loop": (BF16LoopMoE.from_block, None), "blockwise_casts": (BlockwiseCastsMoE.from_block, None),
           "fp8_flow": (lambda block: block, None), "fp8_flow+moe_expert": (lambda block: block, "moe_expert")}
 # FP8-Flow blocks of their own constructor arguments: the eager block on the Triton GEMMs alone, and the
@@ -50,21 +119,95 @@ UNCACHED = ("fp8_flow", "fp8_flow+moe_expert")  # also timed with is_first_micro
 OTHER_BLOCKS = {"fp8_flow_triton": dict(gemm_backend="triton"),
                 "fp8_flow_graph": dict(gemm_backend="triton", device_splits=True),
                 "fp8_flow_graph_auto": dict(device_splits=True)}
-# Kernel name fragments -> category, for the profile (first match wins).
-CATEGORIES = (("gemm", ("gemm", "sm90_xmma", "cutlass", "wgrad", "deep_gemm", "nvjet")),
-              ("weight quantization + W^T", ("grouped_weight", "byte_transpose")),
-              ("activation quantization", ("quantize",)), ("scaling-aware transpose", ("transpose", "shift")),
-              ("permute / unpermute", ("permute", "scan", "routing", "row_id")), ("swiglu", ("swiglu",)))
 
 
-def step_fn(model, x, ids, probs, dy, is_first_microbatch=True):
-    def fwd_bwd():  # one micro-batch per step: the FP8 weights are quantized once per step
-        model.zero_grad(set_to_none=True)  # as a training step's zero_grad: no add into last step's gradients
-        x.grad = None
-        model.forward_topk(x, ids, probs, is_first_microbatch=is_first_microbatch).backward(dy)
-    return fwd_bwd
+def inputs(shape: Shape, experts: int):
+    """``(x [T, H] BF16 leaf with requires_grad, topk_ids [T, k], topk_probs [T, k], dy [T, H])``, seeded."""
+    torch.manual_seed(0)
+    x = torch.randn(shape.tokens, shape.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    probs, ids = torch.softmax(torch.randn(shape.tokens, experts, device="cuda"), -1).topk(shape.topk)
+    dy = torch.randn(shape.tokens, shape.hidden, device="cuda", dtype=torch.bfloat16)
+    return x, ids, probs, dy
 
 
+def fp8_flow_block(shape: Shape, experts: int, **kw) -> FP8FlowMoE:
+    torch.manual_seed(0)
+    return FP8FlowMoE(experts, shape.hidden, shape.ffn, shape.topk, device="cuda", **kw)
+
+
+def build_variants(names, block: FP8FlowMoE, data, warmup: int, sync=torch.cuda.synchronize) -> tuple[dict, dict]:
+    """``({name: its warmed-up step}, {name: why it was skipped})`` for ``VARIANTS``' ``names`` over ``block``
+    and ``data`` (``inputs``): each built and stepped ``warmup`` times in its timed mode (kernels compiled,
+    caches filled), then ``sync()``. A block of ``OPTIONAL`` that fails to build or step is skipped with the
+    error; any other failure raises."""
+    steps, skipped = {}, {}
+    for name in names:
+        fp8_weights, make = VARIANTS[name]
+        try:
+            step = utils.moe_step(make(block), *data, fp8_weights=fp8_weights)
+            for _ in range(warmup):
+                step()
+            sync()
+        except Exception as e:  # noqa: BLE001 (TE: not installed, or its recipe unsupported here)
+            if name not in OPTIONAL:
+                raise
+            skipped[name] = f"{type(e).__name__}: {e}"[:300]
+            torch.cuda.empty_cache()
+            continue
+        steps[name] = step
+    return steps, skipped
+
+
+def one_process(shape: Shape, experts_list, names, warmup: int, rounds: int, calls: int) -> dict:
+    """One process's measurements (``--worker-out``): per expert count, each block's median ms per step over
+    the interleaved rounds, its rounds, its host ms per step, and the blocks skipped; the GPU state at start
+    and end."""
+    out = {"gpu_state": [utils.gpu_state()], "experts": {}}
+    for experts in experts_list:
+        data = inputs(shape, experts)
+        steps, skipped = build_variants(names, fp8_flow_block(shape, experts), data, warmup)
+        utils.interleaved_ms(steps, 1, calls)  # untimed: the allocator sees every block's pattern, interleaved
+        rounds_ms = utils.interleaved_ms(steps, rounds, calls)
+        host = {n: utils.host_and_wall_ms(s, 3, torch.cuda.synchronize)[0] for n, s in steps.items()}
+        out["experts"][str(experts)] = dict(ms={n: statistics.median(r) for n, r in rounds_ms.items()},
+                                            rounds_ms=rounds_ms, host_ms=host, skipped=skipped)
+        del steps, data
+        torch.cuda.empty_cache()
+    out["gpu_state"].append(utils.gpu_state())
+    return out
+
+
+def process_rows(shape_name: str, per_process: list[dict], names) -> list[dict]:
+    """The rows of the processes' results (``one_process``'s, in order): one per expert count and block,
+    aggregated by ``utils.across_processes`` (speedup over ``bf16_grouped_mm`` per process, then the median),
+    with ``within_process_spread`` (the median over processes of the spread of a process's rounds); a block
+    no process ran gives a row with ``skipped`` (the first process's reason)."""
+    shape, rows = SHAPES[shape_name], []
+    for key in per_process[0]["experts"]:
+        runs = [p["experts"][key] for p in per_process]
+        agg = utils.across_processes([r["ms"] for r in runs], BASELINE)
+        skipped = {}
+        for r in runs:
+            for name, why in r["skipped"].items():
+                skipped.setdefault(name, why)
+        for name in [n for n in names if n in agg or n in skipped]:
+            row = dict(shape=shape_name, experts=int(key), rows_per_expert=shape.rows_per_expert(int(key)),
+                       block=name, fp8_weights="" if name in (BASELINE, "te_bf16") else VARIANTS[name][0])
+            if name not in agg:
+                rows.append(dict(row, skipped=skipped[name]))
+                continue
+            a = agg[name]
+            rows.append(dict(row, ms=a["ms"], speedup_over_bf16_grouped_mm=a["speedup"],
+                             speedup_spread=a["speedup_spread"], speedup_per_process=a["speedup_per_process"],
+                             ms_per_process=a["ms_per_process"], ms_spread=a["ms_spread"],
+                             within_process_spread=statistics.median(
+                                 utils.spread(r["rounds_ms"][name]) for r in runs if name in r["rounds_ms"]),
+                             host_ms=statistics.median(r["host_ms"][name] for r in runs if name in r["host_ms"]),
+                             processes=a["processes"]))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- one-process sweep
 def memory(model, x, ids, probs, dy, is_first_microbatch) -> tuple[float, int]:
     """(peak bytes allocated above the inputs and parameters during one forward+backward, saved activation
     bytes), from no gradients and no cached FP8 weights: what the step allocates counts, the cache included."""
@@ -88,32 +231,25 @@ def memory(model, x, ids, probs, dy, is_first_microbatch) -> tuple[float, int]:
 def measure(model, x, ids, probs, dy, graph: bool = False, uncached: bool = False) -> dict:
     """Step time (``graph``: of the step captured in a CUDA graph and replayed; ``uncached``: also of the
     eager step with ``is_first_microbatch=None``) and memory (always of the step run eagerly)."""
-    fwd_bwd = step_fn(model, x, ids, probs, dy)
+    fwd_bwd = utils.moe_step(model, x, ids, probs, dy, "requantized")
     fwd_bwd()  # compile / JIT outside the timing
     torch.cuda.synchronize()
     captured = utils.cuda_graph(fwd_bwd) if graph else None
     res = dict(ms=utils.time_ms(captured.replay if graph else fwd_bwd, 100, 1000))
     del captured
     if uncached:
-        res["ms_uncached"] = utils.time_ms(step_fn(model, x, ids, probs, dy, None), 100, 1000)
+        res["ms_uncached"] = utils.time_ms(utils.moe_step(model, x, ids, probs, dy, "uncached"), 100, 1000)
     peak, saved = memory(model, x, ids, probs, dy, True)
     peak_uncached, _ = memory(model, x, ids, probs, dy, None)
     return dict(res, saved_gib=saved / 2**30, peak_gib=peak / 2**30, peak_uncached_gib=peak_uncached / 2**30)
 
 
-def inputs(experts):
-    torch.manual_seed(0)
-    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    probs, ids = torch.softmax(torch.randn(TOKENS, experts, device="cuda"), -1).topk(TOPK)
-    dy = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    return x, ids, probs, dy
-
-
-def sweep_point(experts) -> list[dict]:
-    x, ids, probs, dy = inputs(experts)
-    block = FP8FlowMoE(experts, HIDDEN, FFN, TOPK, device="cuda")
+def sweep_point(shape_name: str, experts: int) -> list[dict]:
+    shape = SHAPES[shape_name]
+    x, ids, probs, dy = inputs(shape, experts)
+    block = fp8_flow_block(shape, experts)
     baseline = BF16GroupedMMBlock.from_block(block)
-    res = {"bf16_grouped_mm": measure(baseline, x, ids, probs, dy)}
+    res = {BASELINE: measure(baseline, x, ids, probs, dy)}
     del baseline
     torch.cuda.empty_cache()
     for name, (make, recompute) in BLOCKS.items():
@@ -123,106 +259,161 @@ def sweep_point(experts) -> list[dict]:
     del block, model
     for name, kw in OTHER_BLOCKS.items():
         torch.cuda.empty_cache()
-        torch.manual_seed(0)
-        other = FP8FlowMoE(experts, HIDDEN, FFN, TOPK, device="cuda", **kw)
+        other = fp8_flow_block(shape, experts, **kw)
         res[name] = measure(other, x, ids, probs, dy, graph=kw.get("device_splits", False))
         del other
-    base = res["bf16_grouped_mm"]
+    base = res[BASELINE]
     for r in res.values():
         r["speedup_over_bf16_grouped_mm"] = base["ms"] / r["ms"]
         r["peak_vs_bf16_grouped_mm"] = r["peak_gib"] / base["peak_gib"]
         if "ms_uncached" in r:
             r["speedup_uncached"] = base["ms"] / r["ms_uncached"]
             r["peak_uncached_vs_bf16"] = r["peak_uncached_gib"] / base["peak_gib"]
-    return [dict(experts=experts, rows_per_expert=TOKENS * TOPK // experts, block=name, **r)
+    return [dict(shape=shape_name, experts=experts, rows_per_expert=shape.rows_per_expert(experts), block=name, **r)
             for name, r in res.items()]
 
 
-def profile(experts: int) -> list[dict]:
-    """GPU time per kernel category of one eager FP8-Flow step and of one replay of the step captured with
-    device splits (``fp8_flow_graph_auto``), torch.profiler, 5 steps averaged."""
-    x, ids, probs, dy = inputs(experts)
+# ------------------------------------------------------------------------------------------------------ profile
+def profile(shape_name: str, experts: int) -> list[dict]:
+    """GPU time per kernel category and per kernel of one step (``kernel_profile.kernel_times``): at ``deepseek_v3`` the
+    sweep's eager ``fp8_flow`` step and the ``fp8_flow_graph_auto`` replay; otherwise every block of
+    ``VARIANTS`` that runs, each warmed up in its timed mode."""
+    shape = SHAPES[shape_name]
+    data = inputs(shape, experts)
     rows = []
+    if shape_name != "deepseek_v3":
+        steps, skipped = build_variants(VARIANTS, fp8_flow_block(shape, experts), data, warmup=3)
+        for name, step in steps.items():
+            rows += [dict(shape=shape_name, experts=experts, block=name, **r)
+                     for r in kernel_profile.kernel_times(step)]
+        return rows + [dict(shape=shape_name, experts=experts, block=n, what=f"skipped: {why}")
+                       for n, why in skipped.items()]
     for name, kw in (("fp8_flow", {}), ("fp8_flow_graph_auto", OTHER_BLOCKS["fp8_flow_graph_auto"])):
         torch.cuda.empty_cache()
-        torch.manual_seed(0)
-        block = FP8FlowMoE(experts, HIDDEN, FFN, TOPK, device="cuda", **kw)
-        fwd_bwd = step_fn(block, x, ids, probs, dy)
+        block = fp8_flow_block(shape, experts, **kw)
+        fwd_bwd = utils.moe_step(block, *data, fp8_weights="requantized")
         fwd_bwd()
         torch.cuda.synchronize()
         graph = utils.cuda_graph(fwd_bwd) if kw else None
-        rows += [dict(experts=experts, block=name, **r) for r in kernel_times(graph.replay if graph else fwd_bwd)]
+        rows += [dict(shape=shape_name, experts=experts, block=name, **r)
+                 for r in kernel_profile.kernel_times(graph.replay if graph else fwd_bwd)]
         del block, graph
     return rows
 
 
-def kernel_times(step) -> list[dict]:
-    """``step``'s GPU time by category (``CATEGORIES``), then its 25 largest kernels (5 steps averaged)."""
-    for _ in range(2):
-        step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-    per_kernel = collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[e.name] += e.device_time / 5 / 1e3
-    total = sum(per_kernel.values())
-    cats = collections.Counter()
-    for name, ms in per_kernel.items():
-        low = name.lower()
-        cats[next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "other")] += ms
-    rows = [dict(what=f"category: {c}", ms=ms, share=ms / total) for c, ms in cats.most_common()]
-    return rows + [dict(what=name[:90], ms=ms, share=ms / total) for name, ms in per_kernel.most_common(25)]
+# --------------------------------------------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="deepseek_v3")
+    parser.add_argument("--experts", type=int, nargs="*", default=None,
+                        help="local expert counts (default: the shape's; with no count: no rows, the profile alone)")
+    parser.add_argument("--processes", type=int, default=None,
+                        help="fresh processes for the interleaved rows (default: the shape's: 3 at qwen3_moe_like, "
+                             "0 at deepseek_v3 = the one-process sweep of every block)")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps of each block before the rounds")
+    parser.add_argument("--rounds", type=int, default=12, help="interleaved timing rounds per process")
+    parser.add_argument("--calls", type=int, default=5, help="back-to-back steps per block and round")
+    parser.add_argument("--suffix", default="",
+                        help="appended to the results' name (e.g. _h200: bench_moe_layer_h200 for a second GPU)")
+    parser.add_argument("--profile", type=int, nargs="*", default=None, metavar="EXPERTS",
+                        help="also profile a step at these local expert counts (with no count: the shape's)")
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # one process of the rows: its JSON here
+    args = parser.parse_args(argv)
+    shape = SHAPES[args.shape]
+    args.experts = list(shape.experts) if args.experts is None else args.experts
+    args.profile = list(shape.experts) if args.profile == [] else args.profile or []
+    args.processes = shape.processes if args.processes is None else args.processes
+    for e in args.experts + args.profile:
+        if e < shape.topk:
+            parser.error(f"expert counts must be >= the shape's top-{shape.topk}, got {e}")
+    if args.processes < 0:
+        parser.error(f"--processes must be >= 0, got {args.processes}")
+    for flag in ("warmup", "rounds", "calls"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    return args
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--experts", type=int, nargs="*", default=[8, 32, 64, 128])
-    parser.add_argument("--suffix", default="",
-                        help="appended to the results' name (e.g. _h200: bench_moe_layer_h200 for a second GPU)")
-    parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="EXPERTS",
-                        help="also profile the FP8-Flow step and its CUDA-graph replay at these local expert "
-                             "counts (e.g. 64 128)")
-    args = parser.parse_args()
+    args = parse_args()
+    shape = SHAPES[args.shape]
+    if args.worker_out:
+        res = one_process(shape, args.experts, list(VARIANTS), args.warmup, args.rounds, args.calls)
+        with open(args.worker_out, "w") as f:
+            json.dump(res, f)
+        return
+    per_process = []
+    if args.processes and args.experts:
+        argv = [__file__, "--shape", args.shape, "--experts", *map(str, args.experts), "--warmup",
+                str(args.warmup), "--rounds", str(args.rounds), "--calls", str(args.calls)]
+        per_process = utils.in_fresh_processes(argv, args.processes)
     env = utils.environment()
     ceilings = {"copy_bandwidth_tbps (1 GiB, read+write)": utils.copy_bandwidth_tbps()}
-    rows = [r for e in args.experts for r in sweep_point(e)]
-    if rows:
-        write_sweep(args.suffix, env, ceilings, rows)
+    if per_process:
+        env = dict(env, processes=args.processes, warmup=args.warmup, rounds=args.rounds, calls=args.calls,
+                   gpu_state_per_process=[p["gpu_state"] for p in per_process])
+        write_rows(args.shape, args.suffix, env, ceilings, process_rows(args.shape, per_process, list(VARIANTS)))
+    elif args.experts:
+        rows = [r for e in args.experts for r in sweep_point(args.shape, e)]
+        write_rows(args.shape, args.suffix, env, ceilings, rows)
     if args.profile:
-        prof = [r for e in args.profile for r in profile(e)]
-        path = utils.write_results("bench_moe_layer_profile", "FP8-Flow block step: GPU time by kernel", env,
-                                   ceilings, prof, ["experts", "block", "what", "ms", "share"],
-                                   notes="torch.profiler CUDA kernel time per step (5 steps averaged): the eager "
-                                         "fp8_flow step and the fp8_flow_graph_auto replay; the categories "
-                                         "first, then the 25 largest kernels.")
+        prof = [r for e in args.profile for r in profile(args.shape, e)]
+        shape_part = "" if args.shape == "deepseek_v3" else f"_{args.shape}"
+        path = utils.write_results(
+            f"bench_moe_layer{shape_part}_profile{args.suffix}", f"MoE block step at {args.shape}: GPU time by kernel",
+            env, ceilings, prof, ["shape", "experts", "block", "what", "launched_by", "ms", "share", "launches"],
+            notes=f"torch.profiler CUDA kernel time per step ({kernel_profile.PROFILE_STEPS} steps averaged): the "
+                  "categories first, then the largest kernels; launched_by: the op the profiler tied the kernel to, "
+                  "< the nearest enclosing op outside aten (a custom op, an autograd Function's backward); launches: "
+                  "per step. "
+                  "deepseek_v3: the eager fp8_flow step (weights requantized each step) and the "
+                  "fp8_flow_graph_auto replay; other shapes: every block of the rows, each in its timed mode.")
         print(path.read_text())
 
 
-def write_sweep(suffix, env, ceilings, rows):
-    """``bench_moe_layer{suffix}``'s JSON, markdown and PNG from the sweep's rows."""
-    path = utils.write_results(
-        f"bench_moe_layer{suffix}", "MoE expert block forward+backward, EP=1, per rank", env, ceilings, rows,
-        ["experts", "rows_per_expert", "block", "ms", "speedup_over_bf16_grouped_mm", "peak_gib",
-         "peak_vs_bf16_grouped_mm", "ms_uncached", "speedup_uncached", "peak_uncached_gib", "peak_uncached_vs_bf16",
-         "saved_gib"],
-        notes=(f"{TOKENS} tokens, hidden {HIDDEN}, ffn {FFN}, top-{TOPK}, uniform random router. FP8 blocks pad "
-               "each expert's rows to the block's align_size; bf16_grouped_mm does not pad. saved_gib: distinct "
-               "storages autograd keeps for backward (saved_tensors_hooks), parameters excluded. peak_gib: peak "
-               "allocation above the inputs and parameters during one forward+backward as timed "
-               "(is_first_microbatch=True), from no gradients and no cached FP8 weights: the FP8 weight cache "
-               "(one byte per parameter) and the gradients count. peak_uncached_gib: the same with "
-               "is_first_microbatch=None (no cache, as Megatron's --disable-parameter-transpose-cache); "
-               "ms_uncached, speedup_uncached: that step's time (fp8_flow blocks; BF16 blocks have no cache). "
-               "fp8_flow_graph*: ms of CUDA-graph replays, memory of the same step run eagerly."))
+# the markdown columns of each kind of row (one table per shape, with the columns its rows have)
+COLUMNS = ["shape", "experts", "rows_per_expert", "block", "fp8_weights", "ms", "speedup_over_bf16_grouped_mm",
+           "speedup_spread", "speedup_per_process", "ms_per_process", "ms_spread", "within_process_spread",
+           "host_ms", "processes", "skipped", "peak_gib", "peak_vs_bf16_grouped_mm", "ms_uncached", "speedup_uncached",
+           "peak_uncached_gib", "peak_uncached_vs_bf16", "saved_gib"]
+NOTES = {
+    "processes": "Rows over fresh processes (speedup_spread etc.): ms and speedup_over_bf16_grouped_mm are medians "
+                 "over `processes` fresh processes; each process's speedup is over its own bf16_grouped_mm; *_spread "
+                 "= (max - min) / median over the processes; *_per_process in process order; "
+                 "within_process_spread: the same over one process's interleaved rounds (median over processes); "
+                 "host_ms: host time of one step from an idle GPU (median). fp8_weights: cached = "
+                 "is_first_microbatch True once, then False (the middle of a step); requantized = True every step. "
+                 "Method: the module docstring; environment: gpu_state_per_process = SM clock, temperature, power at "
+                 "each process's start and end.",
+    "sweep": "One-process sweep (peak_gib etc.): FP8 blocks pad each expert's rows to the block's align_size; "
+             "bf16_grouped_mm does not pad. saved_gib: distinct storages autograd keeps for backward "
+             "(saved_tensors_hooks), parameters excluded. peak_gib: peak allocation above the inputs and parameters "
+             "during one forward+backward as timed (is_first_microbatch=True), from no gradients and no cached FP8 "
+             "weights: the FP8 weight cache (one byte per parameter) and the gradients count. peak_uncached_gib: the "
+             "same with is_first_microbatch=None (no cache, as Megatron's --disable-parameter-transpose-cache); "
+             "ms_uncached, speedup_uncached: that step's time (fp8_flow blocks; BF16 blocks have no cache). "
+             "fp8_flow_graph*: ms of CUDA-graph replays, memory of the same step run eagerly.",
+}
+
+
+def write_rows(shape_name: str, suffix: str, env: dict, ceilings: dict, rows: list[dict]):
+    """``bench_moe_layer{suffix}`` .json/.md with ``rows`` in place of the stored rows of ``shape_name`` (the
+    stored rows of other shapes kept; rows from before shapes were recorded are ``deepseek_v3``'s), and a PNG."""
+    merged, env = utils.merge_stored(f"bench_moe_layer{suffix}", "shape", rows, env, default="deepseek_v3")
+    shapes = [(n, SHAPES[n]) for n in dict.fromkeys(r["shape"] for r in merged)]
+    notes = ("; ".join(f"{n}: {s.tokens} tokens, hidden {s.hidden}, ffn {s.ffn}, top-{s.topk}" for n, s in shapes)
+             + "; uniform random router. `runs` in the environment: the device and date of each shape's rows.\n\n"
+             + "\n\n".join(NOTES.values()))
+    path = utils.write_results(f"bench_moe_layer{suffix}", "MoE expert block forward+backward, EP=1, per rank", env,
+                               ceilings, merged, COLUMNS, notes=notes, group_by="shape")
     print(path.read_text())
-    plot(rows, path.with_suffix(".png"))
+    if "peak_gib" in rows[0]:
+        plot_sweep(shape_name, rows, path.with_suffix(".png"))
+    else:
+        plot_processes(shape_name, rows, path.with_name(f"bench_moe_layer_{shape_name}{suffix}.png"))
 
 
-def plot(rows, path):
+def plot_sweep(shape_name, rows, path):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,7 +432,31 @@ def plot(rows, path):
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"MoE expert block per rank, {TOKENS} tokens, hidden {HIDDEN}, ffn {FFN}, top-{TOPK}")
+    s = SHAPES[shape_name]
+    fig.suptitle(f"MoE expert block per rank, {s.tokens} tokens, hidden {s.hidden}, ffn {s.ffn}, top-{s.topk}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def plot_processes(shape_name, rows, path):
+    """Per expert count, each block's median speedup over the BF16 block (bar) and each process's (dots)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    experts = list(dict.fromkeys(r["experts"] for r in rows))
+    fig, axes = plt.subplots(1, len(experts), figsize=(5 * len(experts), 3.8), squeeze=False)
+    for ax, e in zip(axes[0], experts):
+        timed = [r for r in rows if r["experts"] == e and "ms" in r]
+        for i, r in enumerate(timed):
+            ax.bar(i, r["speedup_over_bf16_grouped_mm"], 0.6)
+            ax.plot([i] * len(r["speedup_per_process"]), r["speedup_per_process"], "k.")
+        ax.set_xticks(range(len(timed)), [r["block"] for r in timed], rotation=30, ha="right", fontsize=7)
+        ax.set_title(f"{e} experts: speedup over bf16_grouped_mm (dots: processes)", fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    s = SHAPES[shape_name]
+    fig.suptitle(f"{shape_name}: {s.tokens} tokens, hidden {s.hidden}, ffn {s.ffn}, top-{s.topk}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
