@@ -1,10 +1,15 @@
 """Host time against GPU time of one MoE layer step: FP8-Flow vs the BF16 grouped block, on the GPU.
 
-Default: the MoE layer of Megatron's ``deepseek_small`` (``bench_megatron_pretrain.py``): 64 experts, hidden
-2048, ffn 1024, 4096 tokens, top-8 (about 512 rows per expert), where the FP8-Flow iteration was bound by its
-host (docs/megatron.md). Step: forward + backward with the local dispatcher, the FP8 weights cached as on a
-step's later micro-batches (``is_first_microbatch=False``), gradients set to None first. Blocks, same
-parameters and routing:
+Configurations (``--config``, ``CONFIGS``; the MoE layers of ``bench_megatron_pretrain.py``'s models):
+
+- ``deepseek_small``: 64 experts, hidden 2048, ffn 1024, top-8, 4096 tokens (about 512 rows per expert), where
+  the FP8-Flow iteration was bound by its host (docs/megatron.md);
+- ``qwen3_moe_like``: Qwen3-30B-A3B's MoE layer, 128 experts, hidden 2048, ffn 768, top-8, at 16384 and 4096
+  tokens per step (Megatron micro-batches of 4 and 1 sequences of 4096).
+
+Step: forward + backward with the local dispatcher, the FP8 weights cached as on a step's later micro-batches
+(``is_first_microbatch=True`` once, then ``False``), gradients set to None first (``utils.moe_step``). Blocks,
+same parameters and routing:
 
 - ``bf16_grouped_mm``: the strongest BF16 block (``baselines.BF16GroupedMMBlock``);
 - ``fp8_flow_single_weight``: FP8-Flow with one ``[E, N, K]`` weight per GEMM;
@@ -13,16 +18,19 @@ parameters and routing:
 Per block: ``host_ms`` (median over steps of the time until ``backward()`` returns, the GPU idle at the
 start: what the CPU spends issuing the step), ``wall_ms`` (until the GPU is done), ``gpu_ms`` (kernel time
 per step, torch profiler) and ``launches`` per step. ``host_ms`` above ``gpu_ms`` means the step waits on
-its host; the host figures move with the machine's CPU.
+its host (issue 37's target: ``host_over_gpu`` <= 1 at ``qwen3_moe_like``); the host figures move with the
+machine's CPU. ``--profile-host``: also where the host time goes, cProfile's largest functions per step
+(``bench_host_time_profile``). Results keep the stored rows of other configurations.
 
-Run on a GPU: ``python benchmarks/bench_host_time.py [--experts 64 --hidden 2048 --ffn 1024 --tokens 4096]``.
+Run on a GPU: ``python benchmarks/bench_host_time.py --config qwen3_moe_like [--profile-host]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import cProfile
+import pathlib
+import pstats
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -33,6 +41,9 @@ import utils
 from baselines import BF16GroupedMMBlock
 
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cuLaunchKernel")
+# name -> the layer's shapes: experts, hidden, ffn, top-k, and tokens per step (one row set per token count)
+CONFIGS = {"deepseek_small": dict(experts=64, hidden=2048, ffn=1024, topk=8, tokens=(4096,)),
+           "qwen3_moe_like": dict(experts=128, hidden=2048, ffn=768, topk=8, tokens=(16384, 4096))}
 
 
 def make_blocks(experts: int, hidden: int, ffn: int, topk: int, device) -> dict:
@@ -46,42 +57,14 @@ def make_blocks(experts: int, hidden: int, ffn: int, topk: int, device) -> dict:
 
 
 def make_inputs(tokens: int, hidden: int, experts: int, topk: int, device):
-    """``(x [T, H] bf16, topk_ids [T, k] distinct experts, topk_probs [T, k], output gradient [T, H])``."""
+    """``(x [T, H] bf16 leaf with requires_grad, topk_ids [T, k] distinct experts, topk_probs [T, k], output
+    gradient [T, H])``."""
     gen = torch.Generator(device="cpu").manual_seed(1)
     ids = torch.rand(tokens, experts, generator=gen).argsort(1)[:, :topk].to(device)
     probs = torch.rand(tokens, topk, generator=gen).softmax(-1).to(device)
-    x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16).requires_grad_()
     dy = torch.randn(tokens, hidden, generator=gen).to(device, torch.bfloat16)
     return x, ids, probs, dy
-
-
-def step_fn(block, x, ids, probs, dy):
-    """One forward + backward of ``block`` (FP8 weights from the cache after the first call)."""
-    first = [True]
-
-    def step():
-        for p in block.parameters():
-            p.grad = None
-        xi = x.clone().requires_grad_()
-        block.forward_topk(xi, ids, probs, is_first_microbatch=first[0]).backward(dy)
-        first[0] = False
-
-    return step
-
-
-def host_and_wall_ms(step, steps: int, sync) -> tuple[float, float]:
-    """Medians over ``steps`` of (ms until ``step()`` returns, ms until ``sync()`` returns), each from an idle
-    device (``sync`` before)."""
-    host, wall = [], []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        t1 = time.perf_counter()
-        sync()
-        host.append((t1 - t0) * 1e3)
-        wall.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(host), statistics.median(wall)
 
 
 def gpu_ms_and_launches(step, steps: int) -> tuple[float, float]:
@@ -96,34 +79,80 @@ def gpu_ms_and_launches(step, steps: int) -> tuple[float, float]:
     return gpu_us / steps / 1e3, sum(e.count for e in events if e.key in LAUNCHES) / steps
 
 
-def main():
+def host_profile(step, steps: int, sync, top: int = 25) -> list[dict]:
+    """cProfile of ``steps`` calls of ``step``, each from an idle device (``sync`` before, outside the profile):
+    the ``top`` functions by own time, with calls, own and cumulative ms per step."""
+    prof = cProfile.Profile()
+    for _ in range(steps):
+        sync()
+        prof.enable()
+        step()
+        prof.disable()
+    stats = pstats.Stats(prof).stats  # (file, line, function) -> (primitive calls, calls, own s, cumulative s, _)
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [dict(function=f"{'/'.join(pathlib.Path(f).parts[-2:])}:{line}({fn})", calls=nc / steps,
+                 own_ms=tt * 1e3 / steps, cumulative_ms=ct * 1e3 / steps)
+            for (f, line, fn), (_, nc, tt, ct, _) in ranked]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=1024)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=20)
-    args = parser.parse_args()
+    parser.add_argument("--config", nargs="+", choices=list(CONFIGS), default=["deepseek_small"])
+    parser.add_argument("--tokens", type=int, nargs="+", default=None,
+                        help="tokens per step instead of each configuration's (e.g. 8192)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per block (medians)")
+    parser.add_argument("--profile-host", action="store_true",
+                        help="also cProfile each block's steps: bench_host_time_profile .json/.md")
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
+    for t in args.tokens or ():
+        if t < 1:
+            parser.error(f"--tokens must be positive, got {t}")
+    return args
+
+
+def main():
+    args = parse_args()
     env = utils.environment()
-    shape = dict(experts=args.experts, hidden=args.hidden, ffn=args.ffn, tokens=args.tokens, topk=args.topk)
-    inputs = make_inputs(args.tokens, args.hidden, args.experts, args.topk, "cuda")
-    rows = []
-    for name, block in make_blocks(args.experts, args.hidden, args.ffn, args.topk, "cuda").items():
-        step = step_fn(block, *inputs)
-        for _ in range(3):
-            step()
-        host, wall = host_and_wall_ms(step, args.steps, torch.cuda.synchronize)
-        gpu, launches = gpu_ms_and_launches(step, 5)
-        rows.append(dict(block=name, host_ms=host, wall_ms=wall, gpu_ms=gpu, launches=launches,
-                         host_over_gpu=host / gpu))
+    rows, host_rows = [], []
+    for config in args.config:
+        c = CONFIGS[config]
+        for tokens in args.tokens or c["tokens"]:
+            shape = dict(config=config, experts=c["experts"], hidden=c["hidden"], ffn=c["ffn"], topk=c["topk"],
+                         tokens=tokens)
+            inputs = make_inputs(tokens, c["hidden"], c["experts"], c["topk"], "cuda")
+            for name, block in make_blocks(c["experts"], c["hidden"], c["ffn"], c["topk"], "cuda").items():
+                step = utils.moe_step(block, *inputs, fp8_weights="cached")
+                for _ in range(3):
+                    step()
+                host, wall = utils.host_and_wall_ms(step, args.steps, torch.cuda.synchronize)
+                gpu, launches = gpu_ms_and_launches(step, 5)
+                rows.append(dict(shape, block=name, host_ms=host, wall_ms=wall, gpu_ms=gpu, launches=launches,
+                                 host_over_gpu=host / gpu))
+                if args.profile_host:
+                    host_rows += [dict(shape, block=name, **r) for r in host_profile(step, 10, torch.cuda.synchronize)]
+            del inputs, block, step
+            torch.cuda.empty_cache()
+    shapes = ["config", "experts", "hidden", "ffn", "topk", "tokens", "block"]
+    merged, env = utils.merge_stored("bench_host_time", "config", rows, env, default="deepseek_small")
     path = utils.write_results(
-        "bench_host_time", "Host time vs GPU time of one MoE layer step", {**env, **shape}, {}, rows,
-        ["block", "host_ms", "wall_ms", "gpu_ms", "launches", "host_over_gpu"],
+        "bench_host_time", "Host time vs GPU time of one MoE layer step", env, {}, merged,
+        shapes + ["host_ms", "wall_ms", "gpu_ms", "launches", "host_over_gpu"],
         notes="host_ms: until backward() returns, from an idle GPU; wall_ms: until the GPU is done; gpu_ms: "
               "kernel time per step (torch profiler); medians over --steps steps. Local dispatcher, FP8 weights "
-              "cached (a step's later micro-batches), gradients set to None before each step.")
+              "cached (a step's later micro-batches), gradients set to None before each step. `runs` in the "
+              "environment: the device and date of each configuration's rows (rows of configurations this run "
+              "did not measure are kept from earlier runs).")
     print(path.read_text())
+    if host_rows:
+        path = utils.write_results(
+            "bench_host_time_profile", "Where one MoE layer step's host time goes (cProfile)", env, {}, host_rows,
+            shapes + ["function", "calls", "own_ms", "cumulative_ms"],
+            notes="cProfile over 10 steps per block, each from an idle GPU (the sync outside the profile); per "
+                  "step: calls, own time (ms) and cumulative time (ms) of the 25 functions with the most own "
+                  "time. cProfile slows Python down: compare functions within a row set, not with host_ms.")
+        print(path.read_text())
 
 
 if __name__ == "__main__":

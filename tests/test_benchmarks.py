@@ -52,22 +52,6 @@ def test_bench_grouped_gemm_names_the_backend_auto_picks(monkeypatch):
     assert set(refs) == {"wgrad", "wgrad_fp32"} and refs["wgrad"] is refs["wgrad_fp32"]
 
 
-def test_bench_host_time_steps_every_block_on_the_cpu(monkeypatch):
-    """bench_host_time's blocks, inputs and timing loop at toy size on the CPU (the profiler part needs a GPU):
-    every block steps forward and backward, its weights get gradients, the times are positive and ordered."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    import bench_host_time as bench
-
-    inputs = bench.make_inputs(16, 128, 4, 2, "cpu")
-    blocks = bench.make_blocks(4, 128, 128, 2, "cpu")
-    assert list(blocks) == ["bf16_grouped_mm", "fp8_flow_single_weight", "fp8_flow"]
-    for name, block in blocks.items():
-        step = bench.step_fn(block, *inputs)
-        host, wall = bench.host_and_wall_ms(step, 2, lambda: None)
-        assert 0 < host <= wall, name
-        assert all(p.grad is not None for p in block.parameters()), name
-
-
 def test_ep_run_on_gpus_leaves_the_command_line_to_the_script(monkeypatch):
     """On GPUs ``ep_run`` measures the machine without parsing ``sys.argv`` again: it once re-parsed it with a
     bare parser, so a script's own flags (``bench_ep_scaling.py --tokens``) stopped it there."""
