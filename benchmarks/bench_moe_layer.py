@@ -14,8 +14,12 @@ Blocks (``VARIANTS``):
 
 - ``bf16_grouped_mm``: the strongest BF16 block (``baselines.BF16GroupedMMBlock``: stacked weights,
   argsort permute, ``torch._grouped_mm``, no padding, index_add unpermute); every speedup is over it;
-- ``fp8_flow``: FP8-Flow (``gemm_backend="auto"``) with its FP8 weights cached as in the middle of a step
-  (``is_first_microbatch=True`` on the first call, ``False`` on every later one);
+- ``fp8_flow``: FP8-Flow (``gemm_backend="auto"``, one ``[E, N, K]`` weight per GEMM: ``single_grouped_weight``,
+  Megatron's ``--moe-fp8-flow-single-grouped-weight``) with its FP8 weights cached as in the middle of a step
+  (``is_first_microbatch=True`` on the first call, ``False`` on every later one); ``fp8_flow_requant`` and
+  ``fp8_flow+moe_expert`` share that layout;
+- ``fp8_flow_per_expert``: ``fp8_flow`` with one weight parameter per expert (the default layout: 256 weight
+  gradients for autograd to deliver per step at 128 experts, host time the GPU waits for);
 - ``fp8_flow_requant``: the weights requantized every step (``True`` each call: a step's first micro-batch);
 - ``fp8_flow+moe_expert``: ``recompute="moe_expert"``, weights cached as ``fp8_flow``;
 - ``te_bf16`` / ``te_blockwise``: TransformerEngine's ``GroupedLinear`` as the experts behind the same
@@ -94,7 +98,9 @@ BASELINE = "bf16_grouped_mm"
 
 
 def _fp8_twin(block: FP8FlowMoE, **kw) -> FP8FlowMoE:
-    """A second FP8-Flow block with ``block``'s shapes and parameters (its own FP8 weight cache), built with ``kw``."""
+    """A second FP8-Flow block with ``block``'s shapes, weight layout and parameters (its own FP8 weight cache),
+    built with ``kw`` (which may set another layout: the state dict's per-expert keys load into either)."""
+    kw.setdefault("single_grouped_weight", block.linear_fc1.single_grouped_weight)
     twin = FP8FlowMoE(block.num_experts, block.linear_fc1.in_features, block.linear_fc2.in_features, block.topk,
                       device=block.linear_fc1.weight_params[0].device, **kw)
     twin.load_state_dict(block.state_dict())
@@ -107,6 +113,7 @@ VARIANTS = {BASELINE: ("uncached", BF16GroupedMMBlock.from_block),
             "fp8_flow": ("cached", lambda block: block),
             "fp8_flow_requant": ("requantized", _fp8_twin),
             "fp8_flow+moe_expert": ("cached", lambda block: _fp8_twin(block, recompute="moe_expert")),
+            "fp8_flow_per_expert": ("cached", lambda block: _fp8_twin(block, single_grouped_weight=False)),
             "te_bf16": ("uncached", TEGroupedLinearBlock.from_block),
             "te_blockwise": ("cached", lambda block: TEGroupedLinearBlock.from_block(block, float8_block_scaling()))}
 OPTIONAL = ("te_bf16", "te_blockwise")
@@ -165,7 +172,7 @@ def one_process(shape: Shape, experts_list, names, warmup: int, rounds: int, cal
     out = {"gpu_state": [utils.gpu_state()], "experts": {}}
     for experts in experts_list:
         data = inputs(shape, experts)
-        steps, skipped = build_variants(names, fp8_flow_block(shape, experts), data, warmup)
+        steps, skipped = build_variants(names, fp8_flow_block(shape, experts, single_grouped_weight=True), data, warmup)
         utils.interleaved_ms(steps, 1, calls)  # untimed: the allocator sees every block's pattern, interleaved
         rounds_ms = utils.interleaved_ms(steps, rounds, calls)
         host = {n: utils.host_and_wall_ms(s, 3, torch.cuda.synchronize)[0] for n, s in steps.items()}
@@ -282,7 +289,7 @@ def profile(shape_name: str, experts: int) -> list[dict]:
     data = inputs(shape, experts)
     rows = []
     if shape_name != "deepseek_v3":
-        steps, skipped = build_variants(VARIANTS, fp8_flow_block(shape, experts), data, warmup=3)
+        steps, skipped = build_variants(VARIANTS, fp8_flow_block(shape, experts, single_grouped_weight=True), data, warmup=3)
         for name, step in steps.items():
             rows += [dict(shape=shape_name, experts=experts, block=name, **r)
                      for r in kernel_profile.kernel_times(step)]

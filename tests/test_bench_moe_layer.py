@@ -66,7 +66,7 @@ def test_rows_over_processes():
 def test_weights_modes_of_the_rows():
     assert {n: w for n, (w, _) in bench.VARIANTS.items()} == {
         "bf16_grouped_mm": "uncached", "fp8_flow": "cached", "fp8_flow_requant": "requantized",
-        "fp8_flow+moe_expert": "cached", "te_bf16": "uncached", "te_blockwise": "cached"}
+        "fp8_flow+moe_expert": "cached", "fp8_flow_per_expert": "cached", "te_bf16": "uncached", "te_blockwise": "cached"}
     assert set(bench.OPTIONAL) == {"te_bf16", "te_blockwise"}
 
 
@@ -75,7 +75,7 @@ def test_the_blocks_of_the_rows_build_and_step_at_toy_size():
     experts (outputs of the FP8 blocks within FP8 tolerance of the BF16 block's, the twins bitwise the
     block's with fresh caches), and TE's blocks skipped with the reason when TE does not import."""
     torch.manual_seed(0)
-    block = FP8FlowMoE(4, 128, 128, 2)
+    block = FP8FlowMoE(4, 128, 128, 2, single_grouped_weight=True)  # the rows' layout
     x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
     probs, ids = torch.softmax(torch.randn(32, 4), -1).topk(2)
     data = (x, ids, probs, torch.randn(32, 128, dtype=torch.bfloat16))
@@ -93,5 +93,6 @@ def test_the_blocks_of_the_rows_build_and_step_at_toy_size():
     for name in ("fp8_flow", "fp8_flow_requant", "fp8_flow+moe_expert"):
         assert 0 < ((outs[name] - ref).norm() / ref.norm()).item() < 0.1, name
     assert torch.equal(outs["fp8_flow_requant"], outs["fp8_flow"])
+    assert torch.equal(outs["fp8_flow_per_expert"], outs["fp8_flow"])  # the other layout: same arithmetic
     with pytest.raises(RuntimeError):  # a failure of a block that is not optional is not skipped
         bench.build_variants(["fp8_flow"], block, (x, ids, probs, torch.ones(3)), warmup=1, sync=lambda: None)
