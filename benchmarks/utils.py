@@ -382,3 +382,23 @@ def routing(tokens: int, experts: int, topk: int, device) -> tuple[torch.Tensor,
     """Uniform random router: ``(topk_ids [T, k] int64, topk_probs [T, k] float32 summing to 1)``."""
     probs, ids = torch.softmax(torch.randn(tokens, experts, device=device), -1).topk(topk)
     return ids, probs / probs.sum(1, keepdim=True)
+
+
+def ddp_main_grad_hooks(module: nn.Module) -> list:
+    """Megatron DDP's gradient contract on ``module``'s parameters, without DDP: each gets a float32 ``main_grad``
+    of zeros and ``grad_added_to_main_grad = False``, and a hook after autograd's accumulation that adds ``.grad``
+    into ``main_grad`` unless ``grad_added_to_main_grad`` is set (a fused wgrad wrote there), then drops ``.grad``,
+    as DDP's backward hook does. Returns the list each firing appends its parameter to."""
+    fired = []
+
+    def hook(p):
+        fired.append(p)
+        if not p.grad_added_to_main_grad:
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    for p in module.parameters():
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+        p.grad_added_to_main_grad = False
+        p.register_post_accumulate_grad_hook(hook)
+    return fired

@@ -119,6 +119,9 @@ def parse_args(argv) -> argparse.Namespace:
                         ("--train-iters", args.train_iters), ("--global-batch-size", args.global_batch_size)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be >= 1, got {value}")
+    if args.moe_fp8_flow_cuda_graph:
+        parser.error("--moe-fp8-flow-cuda-graph replays CUDA graphs: the compact loop is the CPU path (on a GPU, "
+                     "Megatron's pretrain runs it: megatron-core 0.19)")
     try:
         validate_fp8_flow_args(args)
         resolve_fp8_flow_format(args)

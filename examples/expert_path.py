@@ -53,7 +53,9 @@ def expert_path(model: torch.nn.Module) -> str:
     if blocks:
         fc1 = blocks[0].linear_fc1
         device = fc1.weight_params[0].device
-        return f"experts: FP8-Flow on {device}: {gemm_backends(device, fc1.backend)}"
+        graphs = ("; device splits for CUDA graphs (--moe-fp8-flow-cuda-graph): only backends taking per-expert "
+                  "counts on the GPU run (no cuBLAS)" if blocks[0].device_splits else "")
+        return f"experts: FP8-Flow on {device}: {gemm_backends(device, fc1.backend)}{graphs}"
     names = sorted({type(m.experts).__name__ for m in model.modules() if isinstance(m, MoELayer)})
     device = next(model.parameters()).device
     return f"experts: Megatron's {', '.join(names) or 'none'} on {device} (plain torch matmuls)"

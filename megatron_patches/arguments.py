@@ -10,7 +10,14 @@ import argparse
 import importlib.util
 import warnings
 
-from .settings import MOE_EXPERT, FP8FlowView, fp8_flow_problems, raise_on_problems, unsupported_settings
+from .settings import (
+    MOE_EXPERT,
+    FP8FlowView,
+    cuda_graph_conflicts,
+    fp8_flow_problems,
+    raise_on_problems,
+    unsupported_settings,
+)
 
 # Megatron-LM flags whose name is not "--" + the config field with dashes.
 _FLAGS = {
@@ -45,16 +52,28 @@ _SINGLE_HELP = (
 )
 
 
+_CUDA_GRAPH_HELP = (
+    "Replay each MoE layer's FP8-Flow block (quantize, dispatch, permute, grouped GEMMs, SwiGLU, unpermute, "
+    "combine; forward and backward) from CUDA graphs in training: one graph launch per layer and pass instead "
+    "of about 70 kernel launches. Captured at the first training micro-batch for its token count "
+    "(--seq-length x --micro-batch-size); the FP8 weights are quantized into static buffers on each step's first "
+    "micro-batch. Needs --moe-fp8-flow and --expert-model-parallel-size 1 (the local dispatcher keeps the "
+    "per-expert counts on the GPU: worst-case padded buffers, Triton wgrad); works with --recompute-modules "
+    f"{MOE_EXPERT}; refuses pipeline parallelism, 'moe' and full recompute, Megatron's own CUDA graphs, "
+    "activation offloading and --overlap-param-gather."
+)
+
+
 def flag(field: str) -> str:
     """The Megatron-LM flag that sets config ``field``."""
     return _FLAGS.get(field, "--" + field.replace("_", "-"))
 
 
 def add_fp8_flow_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--moe-fp8-flow`` to ``parser`` and return it (Megatron's extra_args_provider).
+    """Add the FP8-Flow flags to ``parser`` and return it (Megatron's extra_args_provider).
 
     On megatron-core 0.19 with ``apply()`` done first, Megatron's parser already generates
-    ``--moe-fp8-flow`` from the patched ``TransformerConfig`` field; then only its help is set.
+    them from the patched ``TransformerConfig`` fields; then only their help is set.
     """
     group = parser.add_argument_group(title="FP8-Flow MoE (megatron_patches)")
     for option, kwargs in (
@@ -62,6 +81,7 @@ def add_fp8_flow_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         ("--moe-fp8-flow-format", dict(choices=("e4m3", "hybrid"), default=None,
                                        help=_FORMAT_HELP)),
         ("--moe-fp8-flow-single-grouped-weight", dict(action="store_true", help=_SINGLE_HELP)),
+        ("--moe-fp8-flow-cuda-graph", dict(action="store_true", help=_CUDA_GRAPH_HELP)),
     ):
         existing = parser._option_string_actions.get(option)
         if existing is None:
@@ -91,6 +111,8 @@ def _view(args: argparse.Namespace) -> FP8FlowView:
         moe_flex_dispatcher_backend=getattr(args, "moe_flex_dispatcher_backend", None),
         moe_fp8_flow_single_grouped_weight=bool(getattr(args, "moe_fp8_flow_single_grouped_weight", False)),
         unsupported=unsupported_settings(args),
+        moe_fp8_flow_cuda_graph=bool(getattr(args, "moe_fp8_flow_cuda_graph", False)),
+        graph_conflicts=cuda_graph_conflicts(args),
     )
 
 

@@ -17,6 +17,7 @@ from .settings import (
     MOE_EXPERT,
     FP8FlowFields,
     FP8FlowView,
+    cuda_graph_conflicts,
     fp8_flow_problems,
     raise_on_problems,
     unsupported_settings,
@@ -70,6 +71,8 @@ def _view(config) -> FP8FlowView:
         moe_flex_dispatcher_backend=config.moe_flex_dispatcher_backend,
         moe_fp8_flow_single_grouped_weight=config.moe_fp8_flow_single_grouped_weight,
         unsupported=unsupported_settings(config),
+        moe_fp8_flow_cuda_graph=config.moe_fp8_flow_cuda_graph,
+        graph_conflicts=cuda_graph_conflicts(config),
     )
 
 

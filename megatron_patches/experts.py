@@ -138,6 +138,7 @@ def _fp8_flow_block(module, config, pg_collection, ep_size: int, device=None,
         device=device,
         fuse_wgrad_accumulation=config.gradient_accumulation_fusion,  # as TE's grouped experts
         single_grouped_weight=config.moe_fp8_flow_single_grouped_weight,
+        device_splits=config.moe_fp8_flow_cuda_graph,  # the path a CUDA graph replays (EP=1)
     )
 
 
@@ -155,6 +156,11 @@ class FP8FlowMoELayer(MoELayer):
     micro-batches. A training loop of one's own must call ``model.set_is_first_microbatch()``
     before each step, as for Megatron's TE layers. ``disable_parameter_transpose_cache``: the
     weights are quantized on every micro-batch.
+
+    ``moe_fp8_flow_cuda_graph``: ``self.cuda_graph`` is a ``GraphedFP8FlowMoE`` over the block (built with
+    ``device_splits``), which training forwards go through: the block's forward and backward replayed from
+    CUDA graphs, weight gradients added into DDP's ``main_grad`` inside the backward graph; the graphs of all
+    layers built from one config share one memory pool (``_graph_pool``). None: the block runs eagerly.
     """
 
     def __init__(self, config, submodules=None, layer_number: Optional[int] = None,
@@ -178,6 +184,7 @@ class FP8FlowMoELayer(MoELayer):
         self.shared_experts_recompute = selective and "shared_experts" in config.recompute_modules
         self.router = submodules.router(config=config, pg_collection=pg_collection, **mtp)
         self.experts = submodules.experts(config, self.num_local_experts, pg_collection)
+        self.cuda_graph = _graphed_block(self.experts, config) if config.moe_fp8_flow_cuda_graph else None
         self.is_first_microbatch = True
         self._phase: Optional[_PhaseState] = None
         self.cudagraph_tensor_store = MoECudaGraphTensorStore()  # read by Megatron's route() under CUDA graphs
@@ -195,8 +202,8 @@ class FP8FlowMoELayer(MoELayer):
     def reset_fp8_weight_cache(self) -> None:
         """Drop the block's cached FP8 weights (``FP8FlowMoE.reset_fp8_weight_cache``) where it has them; the
         next micro-batch quantizes the weights again whatever its flag. ``patch_finish_grad_sync`` calls it once
-        a step's gradients are final."""
-        reset = getattr(self.experts, "reset_fp8_weight_cache", None)
+        a step's gradients are final. (The graphs' static FP8 weights stay allocated: the graphs own them.)"""
+        reset = getattr(self.cuda_graph or self.experts, "reset_fp8_weight_cache", None)
         if reset is not None:
             reset()
 
@@ -205,7 +212,8 @@ class FP8FlowMoELayer(MoELayer):
         shared = self.shared_experts_compute(hidden_states)
         probs, routing_map = self.route(hidden_states, padding_mask)
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        output = self.experts(tokens, probs, routing_map, is_first_microbatch=self._take_first_microbatch())
+        experts = self.experts if self.cuda_graph is None else self.cuda_graph
+        output = experts(tokens, probs, routing_map, is_first_microbatch=self._take_first_microbatch())
         output = output.view(hidden_states.shape)
         return output if shared is None else output + shared
 
@@ -332,6 +340,27 @@ class FP8FlowMoELayer(MoELayer):
         """Delayed weight gradients are not split out of the FP8-Flow block."""
         raise NotImplementedError("FP8FlowMoELayer computes weight gradients in backward; "
                                   "delay_wgrad_compute is not supported with moe_fp8_flow")
+
+
+def _graphed_block(block, config):
+    """``block`` replayed from CUDA graphs (``moe_fp8_flow_cuda_graph``) in the memory pool of ``config``'s layers."""
+    from transformer_engine_moe.module import FP8FlowMoE, GraphedFP8FlowMoE
+
+    if not isinstance(block, FP8FlowMoE):
+        raise TypeError(f"moe_fp8_flow_cuda_graph replays the FP8FlowMoE block; this layer's expert builder made a "
+                        f"{type(block).__name__}")
+    return GraphedFP8FlowMoE(block, _graph_pool(config), accumulate_into_main_grad=True)
+
+
+def _graph_pool(config):
+    """The ``GraphPool`` of every FP8-Flow layer built from ``config`` (one model), kept on it: the layers' graphs
+    are captured in the order they replay, forwards in layer order, backwards in reverse, at their first
+    micro-batch, so one graph's temporaries serve the next instead of each layer keeping its own."""
+    from transformer_engine_moe.module import GraphPool
+
+    if not isinstance(getattr(config, "_fp8_flow_graph_pool", None), GraphPool):
+        config._fp8_flow_graph_pool = GraphPool()
+    return config._fp8_flow_graph_pool
 
 
 @dataclasses.dataclass(slots=True)

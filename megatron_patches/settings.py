@@ -43,6 +43,37 @@ UNSUPPORTED_WITH_FP8_FLOW = {
 }
 
 
+_OWN_CUDA_GRAPHS = ("Megatron's own CUDA graphs capture whole layers (FP8FlowMoELayer refuses partial capture); the "
+                    "FP8-Flow graphs capture the expert block alone: use one or the other")
+_OFFLOADING = "activation offloading moves saved tensors to the host, which a graph's replays cannot follow"
+# Settings the CUDA graphs of the FP8-Flow block cannot run with: field -> (is this value refused, what is
+# expected, why). Refused by name when set, as UNSUPPORTED_WITH_FP8_FLOW (a setting the installed Megatron or
+# the source lacks counts as unset).
+CUDA_GRAPH_CONFLICTS = {
+    "expert_model_parallel_size": (
+        lambda v: v > 1, "1",
+        "the graphs replay the local dispatcher's path, which keeps the per-expert counts on the GPU "
+        "(device_splits); all-to-all and DeepEP size their buffers from host counts, a host sync per step"),
+    "pipeline_model_parallel_size": (
+        lambda v: v > 1, "1",
+        "pipeline schedules run several micro-batches' forwards before their backwards, and each layer's graphs "
+        "hold the activations of one micro-batch"),
+    "recompute_granularity": (
+        lambda v: v == "full", "'selective' or unset",
+        "full recompute reruns each layer's forward in backward, out of the order in which the layers' graphs "
+        "share their memory pool"),
+    "cuda_graph_impl": (lambda v: v != "none", "'none'", _OWN_CUDA_GRAPHS),
+    "enable_cuda_graph": (bool, "it unset", _OWN_CUDA_GRAPHS),
+    "external_cuda_graph": (bool, "it unset", _OWN_CUDA_GRAPHS),
+    "cpu_offloading": (bool, "it unset", _OFFLOADING),
+    "fine_grained_activation_offloading": (bool, "it unset", _OFFLOADING),
+    "overlap_param_gather": (
+        bool, "it unset",
+        "the parameters' all-gather is awaited in forward pre-hooks of the modules that hold them, which a "
+        "replay does not call"),
+}
+
+
 @dataclass
 class FP8FlowFields:
     """The fields ``apply()`` adds to ``TransformerConfig`` (copied from this dataclass)."""
@@ -64,6 +95,13 @@ class FP8FlowFields:
     DDP hooks then run once per layer and GEMM, not once per expert, in every backward.
     Checkpoints keep the per-expert names. (Megatron's own ``moe_single_grouped_weight`` is
     TransformerEngine's and needs it.)"""
+
+    moe_fp8_flow_cuda_graph: bool = False
+    """Replay each MoE layer's FP8-Flow block (``transformer_engine_moe.GraphedFP8FlowMoE``) from CUDA graphs
+    in training: one graph launch per layer and pass instead of about 70 kernel launches, and the FP8 weights
+    quantized into static buffers on a step's first micro-batch. Captured at the first training micro-batch for
+    its token count. Needs moe_fp8_flow at expert_model_parallel_size 1 (the local dispatcher keeps its counts
+    on the GPU: worst-case padded buffers); ``CUDA_GRAPH_CONFLICTS`` and 'moe' recompute are refused."""
 
 
 def fp8_flow_fields(source) -> dict:
@@ -94,6 +132,9 @@ class FP8FlowView:
     moe_fp8_flow_single_grouped_weight: bool = False
     unsupported: Mapping[str, object] = field(default_factory=dict)
     """The settings of ``UNSUPPORTED_WITH_FP8_FLOW`` that are set: field -> value."""
+    moe_fp8_flow_cuda_graph: bool = False
+    graph_conflicts: Mapping[str, object] = field(default_factory=dict)
+    """The settings of ``CUDA_GRAPH_CONFLICTS`` whose value is refused: field -> value."""
 
 
 def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
@@ -125,6 +166,8 @@ def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
     if view.moe_fp8_flow_single_grouped_weight and not view.moe_fp8_flow:
         problems.append(f"{name('moe_fp8_flow_single_grouped_weight')} shapes the FP8-Flow experts' weights: it "
                         f"requires {name('moe_fp8_flow')}")
+    if view.moe_fp8_flow_cuda_graph:
+        problems += _cuda_graph_problems(view, name)
     if not view.moe_fp8_flow:
         return problems
     for setting in ("hidden_size", "moe_ffn_hidden_size"):
@@ -174,6 +217,29 @@ def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
             f"{name('moe_fp8_flow')} experts have no bias: set {name('add_bias_linear')}"
         )
     return problems
+
+
+def _cuda_graph_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
+    """What ``moe_fp8_flow_cuda_graph`` cannot run with, one sentence each."""
+    graph = name("moe_fp8_flow_cuda_graph")
+    problems = [] if view.moe_fp8_flow else [
+        f"{graph} replays the FP8-Flow expert block from CUDA graphs: it requires {name('moe_fp8_flow')}"]
+    if view.recompute_granularity == "selective" and "moe" in (view.recompute_modules or ()):
+        problems.append(
+            f"{graph} does not support 'moe' in {name('recompute_modules')}: the MoE layer's rerun in backward would "
+            f"replay its forward graph out of the order in which the layers' graphs share their memory pool; "
+            f"{MOE_EXPERT!r} works with the graphs")
+    for setting, value in view.graph_conflicts.items():
+        expected, why = CUDA_GRAPH_CONFLICTS[setting][1:]
+        problems.append(f"{graph} does not support {name(setting)} (got {value!r}; expected {expected}): {why}")
+    return problems
+
+
+def cuda_graph_conflicts(source) -> dict:
+    """``{field: value}`` of the ``CUDA_GRAPH_CONFLICTS`` settings whose value ``source`` (argparse args or a
+    TransformerConfig) sets to one the graphs refuse; settings the source lacks count as unset."""
+    values = {f: getattr(source, f, None) for f in CUDA_GRAPH_CONFLICTS}
+    return {f: v for f, v in values.items() if v is not None and CUDA_GRAPH_CONFLICTS[f][0](v)}
 
 
 def unsupported_settings(source) -> dict:

@@ -4,7 +4,7 @@ Public names are re-exported here; see README.md and docs/ for the design.
 """
 
 from .dispatch import get_dispatcher
-from .module import FP8FlowMoE, GroupedLinear
+from .module import FP8FlowMoE, GraphedFP8FlowMoE, GraphPool, GroupedLinear
 from .ops import (
     dequantize_blockwise,
     grouped_gemm,
@@ -34,6 +34,8 @@ __all__ = [
     "Float8BlockQuantizer",
     "Float8BlockwiseQTensor",
     "Format",
+    "GraphPool",
+    "GraphedFP8FlowMoE",
     "GroupedLinear",
     "Role",
     "dequantize_blockwise",

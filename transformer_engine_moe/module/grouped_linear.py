@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ..backend import implementation
-from ..layout import MSplits, m_splits_tensor, row_groups
+from ..layout import MSplits, address_table, m_splits_tensor, row_groups
 from ..ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm, grouped_gemm_wgrad
 from ..ops.quantize import quantize_grouped_weight, quantize_in_function
 from ..ops.transpose import transpose_grouped_weight
@@ -296,6 +296,19 @@ class GroupedLinear(nn.Module):
         if is_first_microbatch is not None:
             self._cache = (None, w_t) if transpose else (w, None)
         return w, w_t
+
+    def address_tables(self) -> list[torch.Tensor]:
+        """The device tables of addresses this module's kernels read (``layout.address_table``): its weights'
+        (the grouped weight quantization) and, with ``fuse_wgrad_accumulation`` into separate float32
+        ``main_grad``s, theirs (the wgrad GEMM). Made here where missing (a CUDA graph capture refuses to make
+        one) and returned, so that whoever captures a graph reading them keeps them alive: they are cached by
+        address, and a captured graph holds no reference to what it reads."""
+        tables = [address_table(self.weights)]
+        if self.fuse_wgrad_accumulation:
+            out = _wgrad_out([w.main_grad for w in self.weight_params])
+            if isinstance(out, list):
+                tables.append(address_table(out))
+        return [table for table, _ in tables]
 
     def prefetch_fp8_weights(self, is_first_microbatch: Optional[bool] = None, transpose: bool = True) -> None:
         """Make now the FP8 weights that the next ``forward`` with the same ``is_first_microbatch`` takes

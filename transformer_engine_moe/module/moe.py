@@ -186,9 +186,11 @@ class FP8FlowMoE(nn.Module):
             self.prefetch_fp8_weights(is_first_microbatch)
             if self.recompute != "moe_expert":
                 return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+            # no RNG state kept: the experts draw no random numbers, and reading the CUDA generator's state is
+            # refused inside a CUDA graph capture (GraphedFP8FlowMoE captures this checkpoint)
             y, row_id_map, pad_offsets = torch.utils.checkpoint.checkpoint(
                 self._rerunnable_mlp(tokens_per_expert, is_first_microbatch), hidden, topk_ids, topk_probs,
-                use_reentrant=False)
+                use_reentrant=False, preserve_rng_state=False)
         finally:  # weights prefetched for a call that raised are never used later
             self.drop_prefetched_fp8_weights()
         return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets)

@@ -1,0 +1,25 @@
+"""bench_graphed_moe's steps at toy size on the CPU (timing and the graphs need a GPU): the eager variants step
+forward and backward under Megatron DDP's gradient contract, their weights' main_grad filled by DDP's hook; the
+graphed ones refuse the CPU by name."""
+
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def test_eager_variants_step_and_graphed_ones_need_a_gpu(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_graphed_moe as bench
+
+    assert list(bench.VARIANTS) == ["fp8_flow_single_weight", "fp8_flow_device_splits_single_weight",
+                                    "fp8_flow_graph_single_weight", "fp8_flow_graph"]
+    for name, (_, graphed, _) in bench.VARIANTS.items():
+        step, block = bench.make_step(name, 4, 128, 128, 2, 16, False, "cpu")
+        if graphed:
+            with pytest.raises(ValueError, match="must be a CUDA tensor, got cpu"):
+                step()
+            continue
+        step(), step()
+        assert all(p.grad is None and p.main_grad.abs().sum() > 0 for p in block.parameters()), name

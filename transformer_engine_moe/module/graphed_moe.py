@@ -1,0 +1,300 @@
+"""GraphedFP8FlowMoE: an ``FP8FlowMoE``'s training step replayed from CUDA graphs, one launch per pass.
+
+At hidden 2048 one FP8-Flow layer step spends more time on its host (Python, autograd, about 70 kernel
+launches) than on its GPU (docs/megatron.md). With ``device_splits=True`` the block never waits for its host,
+so its forward and its backward can each be captured once and replayed: per micro-batch the host copies the
+inputs into static buffers and launches one graph, in forward and again in backward::
+
+    block = FP8FlowMoE(..., device_splits=True, device="cuda")
+    graphed = GraphedFP8FlowMoE(block)                # pool=GraphPool(): one pool for several blocks
+    out = graphed(hidden, probs, routing_map, is_first_microbatch=True)   # as block(hidden, probs, routing_map)
+    out.backward(grad)
+
+Three graphs per block, made at its first training call (module in training mode, grad enabled; other calls,
+e.g. evaluation, run the block eagerly) after two eager warm-up steps on a side stream with zero output
+gradients (a first micro-batch's path, then a later one's: kernels compiled, the address tables the kernels
+read built; with ``main_grad`` fusion the warm-up adds zeros into ``main_grad``):
+
+- weights: fc1's and fc2's FP8 weights quantized into static buffers, the FP8 weight cache, by TE's
+  ``is_first_microbatch`` rule: replayed when it is True or None and after ``reset_fp8_weight_cache``; False
+  replays nothing and the forward reads the weights of the last replay, so an optimizer step (which writes
+  the weights in place) reaches the graphs at the next True;
+- forward: ``block(hidden, probs, routing_map, is_first_microbatch=False)`` on static inputs ``[T, H]``,
+  ``[T, E]``, ``[T, E]`` (``T`` as at capture; with ``moe_expert`` the checkpoint's first pass);
+- backward: captured at the first backward: the gradients of ``hidden``, ``probs`` and the weights (with
+  ``moe_expert`` the rerun inside).
+
+Weight gradients, as the eager block gives them:
+
+- into each weight's ``main_grad`` (Megatron's DDP buffers) when the block's ``GroupedLinear``s fuse wgrad
+  accumulation, or with ``accumulate_into_main_grad=True`` when every weight has a ``main_grad`` at capture:
+  the backward graph adds the weight-dtype gradient into it, which is what Megatron's DDP hook adds from
+  ``.grad`` (the same sums, bit for bit; written over it where ``overwrite_main_grad`` is set); the weights get
+  ``grad_added_to_main_grad = True`` and autograd the shared zero placeholders, so DDP's hooks fire and add
+  nothing, as with TE's fused wgrad. No ``[G, N, K]`` gradient leaves the graph;
+- otherwise into static buffers that autograd accumulates into ``.grad`` (a copy: autograd cannot take over
+  a buffer the graph writes again).
+
+Replays equal eager steps of the same block bit for bit (tests/module/test_graphed_moe.py). What a replay
+needs, and what is refused:
+
+- CUDA tensors of the captured shapes and dtypes (ValueError otherwise: another token count needs another
+  ``GraphedFP8FlowMoE``);
+- one micro-batch in flight per block: a forward replay overwrites the activations the previous one saved,
+  so a backward for an overwritten forward, or a second backward of one forward, raises RuntimeError;
+- the weights and their ``main_grad`` at the addresses they had at capture (optimizers write in place),
+  checked at each weights replay (RuntimeError);
+- graphs sharing one ``GraphPool`` replayed in the order they were captured (as with
+  ``torch.cuda.make_graphed_callables``): Megatron's layers run forwards in layer order, then backwards in
+  reverse, every micro-batch, and captured in that order at their first micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .grouped_linear import _accumulates_into_main_grad, _placeholder_wgrad
+from .moe import FP8FlowMoE
+
+# the eager warm-up steps before the capture, by their is_first_microbatch: quantizing (and caching) the weights,
+# then reusing the cache (the byte transpose W^T -> W), each with its backward
+WARMUP = (True, False)
+
+
+class GraphPool:
+    """One CUDA-graph memory pool for the graphs of several ``GraphedFP8FlowMoE``s captured and replayed in one
+    order (a model's layers), as ``torch.cuda.make_graphed_callables`` shares one across its callables: memory a
+    graph frees during its capture serves the graphs captured after it, instead of every layer keeping its own
+    temporaries. Made at the first capture (it needs CUDA)."""
+
+    def __init__(self):
+        self._handle = None
+
+    def handle(self):
+        if self._handle is None:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+
+@dataclasses.dataclass(slots=True)
+class _Captured:
+    """The graphs of one block and what they read and write: the static inputs (``inputs``: buffers the
+    replays copy into; ``leaves``: the same memory as the autograd leaves of the capture, with their own version
+    counters, so those copies do not invalidate what the captured forward saved), the static output, the
+    weights autograd sees, their FP8 caches, the addresses checked before each weights replay, and the address
+    tables the kernels read (kept alive here: a capture holds no reference to what it reads)."""
+
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    leaves: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    params: list[torch.nn.Parameter]
+    main_grad: bool
+    weights_graph: torch.cuda.CUDAGraph
+    forward_graph: torch.cuda.CUDAGraph
+    caches: list
+    output: torch.Tensor
+    addresses: list[int]
+    tables: list[torch.Tensor]
+    pending_output: Optional[torch.Tensor] = None  # the captured forward's output, until the backward's capture
+    backward_graph: Optional[torch.cuda.CUDAGraph] = None
+    grad_output: Optional[torch.Tensor] = None
+    grads: tuple = ()  # static gradients: hidden, probs (and the weights', without main_grad)
+
+
+class GraphedFP8FlowMoE:
+    """``block``'s training step replayed from CUDA graphs; called as ``block`` is (``FP8FlowMoE.forward``).
+
+    Args:
+        block: an ``FP8FlowMoE`` with ``device_splits=True`` (local dispatcher: no host sync), on the GPU. Not
+            copied: its parameters and its eager calls stay its own.
+        pool: the ``GraphPool`` its graphs allocate from; share one between blocks run in one order (default:
+            a pool of its own).
+        accumulate_into_main_grad: add the weight gradients into the weights' ``main_grad`` inside the backward
+            graph where every weight has one at capture (Megatron's DDP), as DDP's hook would add ``.grad``.
+    """
+
+    def __init__(self, block: FP8FlowMoE, pool: Optional[GraphPool] = None, accumulate_into_main_grad: bool = False):
+        if not isinstance(block, FP8FlowMoE):
+            raise TypeError(f"block must be an FP8FlowMoE, got {type(block).__name__}")
+        if not block.device_splits:
+            raise ValueError("block must be built with device_splits=True: with host counts its dispatch waits for "
+                             "the host every step, which a CUDA graph cannot replay")
+        if pool is not None and not isinstance(pool, GraphPool):
+            raise TypeError(f"pool must be a GraphPool or None, got {type(pool).__name__}")
+        if not isinstance(accumulate_into_main_grad, bool):
+            raise TypeError(f"accumulate_into_main_grad must be a bool, got {accumulate_into_main_grad!r}")
+        self.block, self.pool = block, pool or GraphPool()
+        self.accumulate_into_main_grad = accumulate_into_main_grad
+        self._captured: Optional[_Captured] = None
+        self._weights_current = False  # the weights graph's last replay holds the current weights
+        self._generation = 0  # forward replays so far
+        self._awaiting_backward: Optional[int] = None  # the generation whose saved activations the pool holds
+
+    @property
+    def captured(self) -> bool:
+        """Whether the graphs exist (after the first training call)."""
+        return self._captured is not None
+
+    def reset_fp8_weight_cache(self) -> None:
+        """The next training call quantizes the weights whatever its ``is_first_microbatch`` (a weights replay);
+        also drops the block's eager cache (``FP8FlowMoE.reset_fp8_weight_cache``). The static buffers stay:
+        the graphs own them."""
+        self._weights_current = False
+        self.block.reset_fp8_weight_cache()
+
+    def __call__(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
+                 is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """``hidden [T, H]`` BF16/FP32, the router's ``probs [T, E]`` and ``routing_map [T, E]`` bool -> ``[T, H]``
+        (``FP8FlowMoE.forward``). In training with grad enabled from the graphs (captured at the first such
+        call); otherwise eagerly."""
+        if not (self.block.training and torch.is_grad_enabled()):
+            return self.block(hidden, probs, routing_map, is_first_microbatch)
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+            raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
+        if self._captured is None:
+            self._captured = self._capture(hidden, probs, routing_map)
+        else:
+            self._check_inputs(hidden, probs, routing_map)
+        if is_first_microbatch is not False or not self._weights_current:
+            self._replay_weights()
+        self._weights_current = is_first_microbatch is not None
+        return _Replay.apply(self, hidden, probs, routing_map, *self._captured.params)
+
+    # ------------------------------------------------------------------ capture
+    def _capture(self, hidden, probs, routing_map) -> _Captured:
+        """Warm up, then capture the weights and forward graphs (the backward graph waits for the first
+        backward: graphs sharing a pool must be captured in the order they replay)."""
+        _check_capturable(hidden, probs, routing_map)
+        block = self.block
+        inputs = (hidden.detach().clone(), probs.detach().clone(), routing_map.detach().clone())
+        leaves = (inputs[0].data.requires_grad_(), inputs[1].data.requires_grad_(), inputs[2].data)
+        params = [p for p in block.parameters() if p.requires_grad]
+        linears = (block.linear_fc1, block.linear_fc2)
+        fused = block.linear_fc1.fuse_wgrad_accumulation
+        main_grad = fused or (self.accumulate_into_main_grad and bool(params) and
+                              all(getattr(p, "main_grad", None) is not None for p in params))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for first in WARMUP:
+                out = block(*leaves, is_first_microbatch=first)
+                torch.autograd.grad(out, [*leaves[:2], *params], torch.zeros_like(out))
+            del out
+        torch.cuda.current_stream().wait_stream(side)
+        tables = [t for lin in linears for t in lin.address_tables()]
+        pool = self.pool.handle()
+        weights_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(weights_graph, pool=pool, capture_error_mode="thread_local"):
+            block.prefetch_fp8_weights(True)
+        caches = [lin._cache for lin in linears]  # the static FP8 weights (W^T; fc1's W under moe_expert)
+        block.drop_prefetched_fp8_weights()
+        forward_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode="thread_local"):
+            out = block(*leaves, is_first_microbatch=False)
+        return _Captured(inputs=inputs, leaves=leaves, params=params, main_grad=main_grad,
+                         weights_graph=weights_graph, forward_graph=forward_graph, caches=caches,
+                         output=out.detach(), addresses=_addresses(params, main_grad), tables=tables,
+                         pending_output=out)
+
+    def _capture_backward(self, c: _Captured) -> None:
+        """The backward graph, from the captured forward's autograd graph (consumed here)."""
+        self._install_caches(c)  # what a moe_expert rerun reads
+        c.grad_output = torch.empty_like(c.output)
+        c.backward_graph = torch.cuda.CUDAGraph()
+        fused = self.block.linear_fc1.fuse_wgrad_accumulation
+        with torch.cuda.graph(c.backward_graph, pool=self.pool.handle(), capture_error_mode="thread_local"):
+            grads = torch.autograd.grad(c.pending_output, [*c.leaves[:2], *c.params], c.grad_output)
+            if c.main_grad and not fused:  # what DDP's hook adds from .grad: same dtypes, same sums
+                main_grads = [p.main_grad for p in c.params]
+                if _accumulates_into_main_grad(c.params):
+                    torch._foreach_add_(main_grads, list(grads[2:]))
+                else:
+                    torch._foreach_copy_(main_grads, list(grads[2:]))
+            c.grads = grads[:2] if c.main_grad else grads
+            del grads
+        c.pending_output = None
+
+    # ------------------------------------------------------------------ replay
+    def _check_inputs(self, hidden, probs, routing_map) -> None:
+        for name, t, ref in zip(("hidden", "probs", "routing_map"), (hidden, probs, routing_map), self._captured.inputs):
+            if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
+                got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(
+                    f"{name} must be {ref.dtype} {list(ref.shape)} on {ref.device} as when the graphs were captured, "
+                    f"got {got}: CUDA graphs replay fixed shapes (Megatron: one --seq-length and --micro-batch-size); "
+                    "another token count needs its own GraphedFP8FlowMoE, or the eager block")
+
+    def _replay_weights(self) -> None:
+        c = self._captured
+        if _addresses(c.params, c.main_grad) != c.addresses:
+            raise RuntimeError("the experts' weights or their main_grad moved since the CUDA graphs were captured (a "
+                               "parameter's .data or main_grad was replaced, not written in place); the graphs read "
+                               "the old addresses: build a new GraphedFP8FlowMoE after moving them")
+        c.weights_graph.replay()
+        self._install_caches(c)
+
+    def _install_caches(self, c: _Captured) -> None:
+        """The static FP8 weights as the block's own cache: an eager call saying False reads them, and the
+        block keeps one FP8 copy of its weights, not two."""
+        for lin, cache in zip((self.block.linear_fc1, self.block.linear_fc2), c.caches):
+            lin._cache = cache
+
+    def _forward(self, hidden, probs, routing_map) -> tuple[torch.Tensor, int]:
+        c = self._captured
+        for buf, t in zip(c.inputs, (hidden, probs, routing_map)):
+            buf.copy_(t)
+        c.forward_graph.replay()
+        self._generation += 1
+        self._awaiting_backward = self._generation
+        return c.output.detach(), self._generation
+
+    def _backward(self, grad: torch.Tensor, generation: int) -> tuple:
+        c = self._captured
+        if self._awaiting_backward != generation:
+            raise RuntimeError("GraphedFP8FlowMoE: this output's backward cannot run: a later forward replay overwrote "
+                               "the activations it saved, or its backward already ran (retain_graph). The graphs hold "
+                               "one micro-batch in flight: a forward, then its backward, before the next forward (no "
+                               "pipeline schedules, no forward re-run in backward)")
+        self._awaiting_backward = None
+        if c.backward_graph is None:
+            self._capture_backward(c)
+        c.grad_output.copy_(grad)
+        c.backward_graph.replay()
+        if not c.main_grad:
+            return c.grads
+        for p in c.params:
+            p.grad_added_to_main_grad = True
+        return (*c.grads, *(_placeholder_wgrad(p) for p in c.params))
+
+
+def _check_capturable(hidden, probs, routing_map) -> None:
+    """CUDA tensors, and tokens to capture."""
+    for name, t in (("hidden", hidden), ("probs", probs), ("routing_map", routing_map)):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+            raise ValueError(f"GraphedFP8FlowMoE replays CUDA graphs: {name} must be a CUDA tensor, got "
+                             f"{getattr(t, 'device', type(t).__name__)} (run the FP8FlowMoE block itself there)")
+    if hidden.dim() != 2 or hidden.shape[0] == 0:
+        raise ValueError(f"hidden must be [T, H] with T > 0 tokens to capture, got {list(hidden.shape)}")
+
+
+def _addresses(params, main_grad: bool) -> list[int]:
+    """The weights' data addresses, and their ``main_grad``s' when the graphs write those."""
+    return [p.data_ptr() for p in params] + ([p.main_grad.data_ptr() for p in params] if main_grad else [])
+
+
+class _Replay(torch.autograd.Function):
+    """The graphs as one autograd node: inputs ``hidden``, ``probs``, ``routing_map`` and the weights."""
+
+    @staticmethod
+    def forward(ctx, graphed: GraphedFP8FlowMoE, hidden, probs, routing_map, *params):
+        out, ctx.generation = graphed._forward(hidden, probs, routing_map)
+        ctx.graphed = graphed
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        grad_hidden, grad_probs, *grad_params = ctx.graphed._backward(grad, ctx.generation)
+        return None, grad_hidden, grad_probs, None, *grad_params
