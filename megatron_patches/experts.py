@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import importlib.util
 import warnings
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Union
 
 import torch
 
@@ -367,13 +367,14 @@ def _graph_pool(config):
 class _PhaseState:
     """What ``FP8FlowMoELayer``'s phases pass one another besides Megatron's ``(hidden, probs)`` pairs, as
     Megatron's token dispatcher keeps its routing state: the layer input's ``shape`` and ``dtype``,
-    ``topk_ids [T, k]`` (global expert ids; after dispatch ``[R, k]`` local ones), the host list
-    ``tokens_per_expert`` of the local experts and the dispatch ``handle`` combine needs."""
+    ``topk_ids [T, k]`` (global expert ids; after dispatch ``[R, k]`` local ones), ``tokens_per_expert`` of
+    the local experts (a host list; a device tensor with ``moe_fp8_flow_cuda_graph``'s device splits) and the
+    dispatch ``handle`` combine needs."""
 
     shape: torch.Size
     dtype: torch.dtype
     topk_ids: torch.Tensor
-    tokens_per_expert: Optional[list] = None
+    tokens_per_expert: Union[list, torch.Tensor, None] = None
     handle: object = None
 
 

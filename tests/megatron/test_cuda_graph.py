@@ -144,6 +144,22 @@ def test_layers_replay_their_block_from_graphs_sharing_one_pool(world_of_one):
     assert plain.decoder.layers[0].mlp.cuda_graph is None and not plain.decoder.layers[0].mlp.experts.device_splits
 
 
+@pytest.mark.skipif(CUDA, reason="CPU layer (use_cpu_initialization, FP32 parameters)")
+def test_megatron_phases_run_the_block_eagerly_with_device_counts(world_of_one):
+    """Megatron's phase-by-phase callers get the device-splits block eagerly (dispatch hands a device tensor of
+    counts to routed_experts_compute): the same output and gradients as the block's own forward, bit for bit."""
+    from test_phases import _forward, _layer, _phases, _run
+
+    layer = _layer(_config(recompute_granularity="selective", recompute_modules=["moe_expert"]))
+    layer.cuda_graph = None  # the eager block (a training forward through the graphs needs a GPU)
+    x = torch.randn(32, 2, 128)
+    dy = torch.randn_like(x)
+    by_forward, by_phases = (_run(layer, x, dy, how) for how in (_forward, _phases))
+    assert torch.equal(by_phases[0], by_forward[0]) and torch.equal(by_phases[1], by_forward[1])
+    assert by_phases[2].keys() == by_forward[2].keys() and all(
+        torch.equal(by_phases[2][n], g) for n, g in by_forward[2].items())
+
+
 S, B, MICRO_BATCHES, STEPS = 64, 2, 3, 3
 
 
