@@ -1,11 +1,13 @@
 """Host time against GPU time of one FP8-Flow MoE layer step, eager and replayed from CUDA graphs
 (``GraphedFP8FlowMoE``, Megatron's ``--moe-fp8-flow-cuda-graph``), on the GPU.
 
-Default shapes ``qwen3_moe_like`` (issue 37): 128 experts, hidden 2048, ffn 768, top-8, 4096 tokens per
-micro-batch (``--tokens 4096 16384``: both ends of the issue's range). Step: forward + backward of a micro-batch
-after a step's first (FP8 weights cached, ``is_first_microbatch=False``), the weights under Megatron DDP's
-gradient contract (a float32 ``main_grad`` and DDP's hook, ``utils.ddp_main_grad_hooks``; without wgrad fusion,
-as the Megatron runs of this repository, or with ``--fuse-wgrad-accumulation``). Blocks (``VARIANTS``):
+Shapes ``--config`` of ``bench_host_time.CONFIGS``, default ``qwen3_moe_like`` (issue 37): 128 experts, hidden
+2048, ffn 768, top-8, 16384 and 4096 tokens per micro-batch (``--tokens`` for others). The block is called as
+Megatron calls it, with the router's ``probs [T, E]`` and ``routing_map [T, E]``. Step: forward + backward of
+a micro-batch after a step's first (FP8 weights cached: ``utils.FP8_WEIGHTS["cached"]``), the weights under
+Megatron DDP's gradient contract (a float32 ``main_grad`` and DDP's hook, ``utils.ddp_main_grad_hooks``; without
+wgrad fusion, as the Megatron runs of this repository, or with ``--fuse-wgrad-accumulation``). Blocks
+(``VARIANTS``):
 
 - ``fp8_flow_single_weight``: the eager block as Megatron runs it without the flag (host counts);
 - ``fp8_flow_device_splits_single_weight``: eager with device splits, the path the graphs replay;
@@ -16,7 +18,7 @@ Columns as ``bench_host_time.py`` (its timing functions): ``host_ms`` until ``ba
 GPU, ``wall_ms`` until the GPU is done, ``gpu_ms`` kernel time per step (torch profiler), ``launches`` kernel
 launches by the host per step (a graphed step's kernels come from its two graph launches, not counted).
 
-Run on a GPU: ``python benchmarks/bench_graphed_moe.py [--tokens 4096 16384]``.
+Run on a GPU: ``python benchmarks/bench_graphed_moe.py [--tokens 4096]``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from transformer_engine_moe import FP8FlowMoE, GraphedFP8FlowMoE, topk_to_routing_map
 
 import utils
-from bench_host_time import gpu_ms_and_launches, host_and_wall_ms, make_inputs
+from bench_host_time import CONFIGS, gpu_ms_and_launches, make_inputs
 
 VARIANTS = {  # name -> (device splits, replayed from CUDA graphs, single grouped weight)
     "fp8_flow_single_weight": (False, False, True),
@@ -50,38 +52,36 @@ def make_step(name: str, experts: int, hidden: int, ffn: int, topk: int, tokens:
     x, ids, topk_probs, dy = make_inputs(tokens, hidden, experts, topk, device)
     routing_map, probs = topk_to_routing_map(ids, topk_probs, experts)
     probs.requires_grad_()
-    first = [True]
+    flags = utils.FP8_WEIGHTS["cached"]()
 
     def step():
-        run(x.clone().requires_grad_(), probs, routing_map, is_first_microbatch=first[0]).backward(dy)
-        first[0] = False
+        x.grad = probs.grad = None
+        run(x, probs, routing_map, is_first_microbatch=next(flags)).backward(dy)
 
     return step, block
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--ffn", type=int, default=768)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[4096])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--config", choices=list(CONFIGS), default="qwen3_moe_like",
+                        help="the layer's shapes (bench_host_time.CONFIGS)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="tokens per step instead of the config's")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per block (medians)")
     parser.add_argument("--fuse-wgrad-accumulation", action="store_true",
                         help="wgrad GEMMs add into main_grad (Megatron's --gradient-accumulation-fusion, with TE)")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     args = parser.parse_args()
     env = utils.environment()
-    shape = dict(config="qwen3_moe_like" if (args.experts, args.hidden, args.ffn, args.topk) == (128, 2048, 768, 8)
-                 else "custom", experts=args.experts, hidden=args.hidden, ffn=args.ffn, topk=args.topk)
+    c = CONFIGS[args.config]
+    shape = dict(config=args.config, experts=c["experts"], hidden=c["hidden"], ffn=c["ffn"], topk=c["topk"])
     rows = []
-    for tokens in args.tokens:
+    for tokens in args.tokens or c["tokens"]:
         for name in args.variants:
-            step, block = make_step(name, args.experts, args.hidden, args.ffn, args.topk, tokens,
+            step, block = make_step(name, c["experts"], c["hidden"], c["ffn"], c["topk"], tokens,
                                     args.fuse_wgrad_accumulation, "cuda")
             for _ in range(3):  # the graphs' capture, kernels compiled
                 step()
-            host, wall = host_and_wall_ms(step, args.steps, torch.cuda.synchronize)
+            host, wall = utils.host_and_wall_ms(step, args.steps, torch.cuda.synchronize)
             gpu, launches = gpu_ms_and_launches(step, 5)
             rows.append(dict(shape, block=name, tokens=tokens, host_ms=host, wall_ms=wall, gpu_ms=gpu,
                              launches=launches, host_over_gpu=host / gpu))
@@ -91,7 +91,8 @@ def main():
     path = utils.write_results(
         "bench_graphed_moe", "Host time vs GPU time of one FP8-Flow MoE layer step, eager and from CUDA graphs",
         {**env, "fuse_wgrad_accumulation": args.fuse_wgrad_accumulation}, {}, rows,
-        ["config", "tokens", "block", "host_ms", "wall_ms", "gpu_ms", "launches", "host_over_gpu"],
+        ["config", "experts", "hidden", "ffn", "topk", "tokens", "block", "host_ms", "wall_ms", "gpu_ms", "launches",
+         "host_over_gpu"],
         notes="host_ms: until backward() returns, from an idle GPU; wall_ms: until the GPU is done; gpu_ms: kernel "
               "time per step (torch profiler); medians over --steps steps. Local dispatcher, FP8 weights cached (a "
               "step's later micro-batches), Megatron DDP's main_grad and hook on every weight. launches: kernels "

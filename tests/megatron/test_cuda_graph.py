@@ -224,8 +224,8 @@ def test_gpu_tiny_gpt_trains_with_cuda_graphs_as_eager(world_of_one, fuse):
                     p.copy_(runs[0][2][name])
         state = {name: p.detach().clone() for name, p in model.named_parameters()}
         for layer in model.decoder.layers:
-            layer.mlp.experts.linear_fc1.fuse_wgrad_accumulation = layer.mlp.experts.linear_fc2.fuse_wgrad_accumulation \
-                = fuse
+            for linear in (layer.mlp.experts.linear_fc1, layer.mlp.experts.linear_fc2):
+                linear.fuse_wgrad_accumulation = fuse
             if not graphs:
                 layer.mlp.cuda_graph = None
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,

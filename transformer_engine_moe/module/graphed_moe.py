@@ -62,6 +62,7 @@ from .moe import FP8FlowMoE
 # the eager warm-up steps before the capture, by their is_first_microbatch: quantizing (and caching) the weights,
 # then reusing the cache (the byte transpose W^T -> W), each with its backward
 WARMUP = (True, False)
+_INPUTS = ("hidden", "probs", "routing_map")
 
 
 class GraphPool:
@@ -218,8 +219,8 @@ class GraphedFP8FlowMoE:
 
     # ------------------------------------------------------------------ replay
     def _check_inputs(self, hidden, probs, routing_map) -> None:
-        for name, t, ref in zip(("hidden", "probs", "routing_map"), (hidden, probs, routing_map), self._captured.inputs):
-            if not isinstance(t, torch.Tensor) or t.shape != ref.shape or t.dtype != ref.dtype or t.device != ref.device:
+        for name, t, ref in zip(_INPUTS, (hidden, probs, routing_map), self._captured.inputs):
+            if not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != (ref.shape, ref.dtype, ref.device):
                 got = f"{t.dtype} {list(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(
                     f"{name} must be {ref.dtype} {list(ref.shape)} on {ref.device} as when the graphs were captured, "
@@ -271,7 +272,7 @@ class GraphedFP8FlowMoE:
 
 def _check_capturable(hidden, probs, routing_map) -> None:
     """CUDA tensors, and tokens to capture."""
-    for name, t in (("hidden", hidden), ("probs", probs), ("routing_map", routing_map)):
+    for name, t in zip(_INPUTS, (hidden, probs, routing_map)):
         if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
             raise ValueError(f"GraphedFP8FlowMoE replays CUDA graphs: {name} must be a CUDA tensor, got "
                              f"{getattr(t, 'device', type(t).__name__)} (run the FP8FlowMoE block itself there)")
