@@ -31,7 +31,7 @@ import torch
 
 from transformer_engine_moe import quantize_blockwise, quantize_grouped_weight, scaling_aware_transpose
 from transformer_engine_moe.kernels import grouped_gemm as kg
-from transformer_engine_moe.ops.grouped_gemm import _impl, grouped_gemm, grouped_gemm_wgrad
+from transformer_engine_moe.ops.grouped_gemm import GemmCall, _impl, grouped_gemm, grouped_gemm_wgrad
 
 import utils
 
@@ -106,9 +106,10 @@ def auto_backend(o, op, n, k) -> str:
     wgrad = op.startswith("wgrad")
     a = o["dyt"].columnwise_data if wgrad else (o["xq"] if op == "fprop" else o["dyq"]).rowwise_data
     out = torch.bfloat16 if op in ("fprop", "dgrad", "wgrad") else torch.float32
-    return _impl("auto", a, torch.float8_e4m3fn, o["splits"], k if op == "fprop" else n, out, op, wgrad=wgrad,
-                 weight_elements=n * k, accumulate=op.startswith("wgrad_main_grad"),
-                 out_list=op == "wgrad_main_grad_reversed").name
+    kind = ("wgrad_accumulate" if op.startswith("wgrad_main_grad") else "wgrad") if wgrad else "fprop"
+    call = GemmCall.of(kind, a, torch.float8_e4m3fn, o["splits"], out, weight_elements=n * k,
+                       out_list=op == "wgrad_main_grad_reversed")
+    return _impl("auto", call, a, op).name
 
 
 def run(rows_per_expert, gemm, ops) -> list[dict]:
