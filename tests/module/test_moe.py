@@ -122,6 +122,34 @@ def test_moe_expert_rerun_skips_fc2s_gemm_and_weights(monkeypatch, flag, early_s
 
 
 @pytest.mark.parametrize("recompute", [None, "moe_expert"])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["e4m3", "hybrid"])
+def test_fc2_takes_its_output_gradient_quantized_per_token_bitwise(monkeypatch, recompute, hybrid):
+    """unpermute's backward quantizes each token's output gradient once and permutes the FP8 rows to fc2, which
+    takes them as they come: fc2's backward gets an FP8 gradient (fc1's, from SwiGLU, stays BF16), and the output
+    and every gradient are bit for bit the block's that permutes the BF16 gradient and quantizes it in fc2."""
+    from transformer_engine_moe import FP8FlowRecipe, Float8BlockwiseQTensor, Format, moe_unpermute
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
+
+    torch.manual_seed(0)
+    fp8 = FP8FlowMoE(E, H, FFN, K, align_size=128, recompute=recompute,
+                     recipe=FP8FlowRecipe(Format.HYBRID) if hybrid else None)
+    x, ids, probs = batch(6)
+    arrived, real = [], grouped_linear._quantized_grad
+    monkeypatch.setattr(grouped_linear, "_quantized_grad",
+                        lambda g, args: arrived.append(isinstance(g, Float8BlockwiseQTensor)) or real(g, args))
+    per_token = step(fp8, x, ids, probs)
+    assert arrived == [True, False]  # fc2, then fc1
+    monkeypatch.setattr(FP8FlowMoE, "_unpermute", lambda self, y, m, pad: moe_unpermute(y, m, pad_offsets=pad))
+    arrived.clear()
+    permuted_bf16 = step(fp8, x, ids, probs)
+    assert arrived == [False, False]
+    for u, v in zip(per_token[:3], permuted_bf16[:3]):
+        assert torch.equal(u, v)
+    for us, vs in zip(per_token[3:5], permuted_bf16[3:5]):
+        assert all(torch.equal(u, v) for u, v in zip(us, vs))
+
+
+@pytest.mark.parametrize("recompute", [None, "moe_expert"])
 def test_single_grouped_weight_block_is_bitwise_the_per_expert_block(recompute):
     """single_grouped_weight (one [E, N, K] parameter per GroupedLinear) loads the per-expert block's state
     dict and computes the same output and gradients bit for bit."""
