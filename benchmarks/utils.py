@@ -224,3 +224,16 @@ def routing(tokens: int, experts: int, topk: int, device) -> tuple[torch.Tensor,
     """Uniform random router: ``(topk_ids [T, k] int64, topk_probs [T, k] float32 summing to 1)``."""
     probs, ids = torch.softmax(torch.randn(tokens, experts, device=device), -1).topk(topk)
     return ids, probs / probs.sum(1, keepdim=True)
+
+
+def busy_host_ms(fn: Callable[[], object], reps: int = 3) -> float:
+    """Host milliseconds of one ``fn()`` issued while the GPU is busy behind a queued sleep, so that no launch
+    waits for the GPU: what the call costs the CPU (a step whose host time exceeds its GPU time waits on it)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU clock cycles
+    began = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = time.perf_counter() - began
+    torch.cuda.synchronize()
+    return elapsed / reps * 1e3

@@ -123,10 +123,12 @@ def test_moe_expert_rerun_skips_fc2s_gemm_and_weights(monkeypatch, flag, early_s
 
 @pytest.mark.parametrize("recompute", [None, "moe_expert"])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["e4m3", "hybrid"])
-def test_fc2_takes_its_output_gradient_quantized_per_token_bitwise(monkeypatch, recompute, hybrid):
-    """unpermute's backward quantizes each token's output gradient once and permutes the FP8 rows to fc2, which
-    takes them as they come: fc2's backward gets an FP8 gradient (fc1's, from SwiGLU, stays BF16), and the output
-    and every gradient are bit for bit the block's that permutes the BF16 gradient and quantizes it in fc2."""
+def test_expert_gemms_take_their_output_gradients_quantized_bitwise(monkeypatch, recompute, hybrid):
+    """unpermute's backward quantizes each token's output gradient once and permutes the FP8 rows to fc2, and
+    SwiGLU's backward quantizes fc1's in its own pass; both GEMMs take them as they come (no BF16 [M, H] or
+    [M, 2F] gradient written and read again), and the output and every gradient are bit for bit the block's that
+    hands them BF16 gradients to quantize."""
+    import transformer_engine_moe.module.moe as moe
     from transformer_engine_moe import FP8FlowRecipe, Float8BlockwiseQTensor, Format, moe_unpermute
     import transformer_engine_moe.module.grouped_linear as grouped_linear
 
@@ -138,8 +140,10 @@ def test_fc2_takes_its_output_gradient_quantized_per_token_bitwise(monkeypatch, 
     monkeypatch.setattr(grouped_linear, "_quantized_grad",
                         lambda g, args: arrived.append(isinstance(g, Float8BlockwiseQTensor)) or real(g, args))
     per_token = step(fp8, x, ids, probs)
-    assert arrived == [True, False]  # fc2, then fc1
+    assert arrived == [True, True]  # fc2, then fc1
     monkeypatch.setattr(FP8FlowMoE, "_unpermute", lambda self, y, m, pad: moe_unpermute(y, m, pad_offsets=pad))
+    real_swiglu = moe.weighted_swiglu_quant
+    monkeypatch.setattr(moe, "weighted_swiglu_quant", lambda h, p, r, quantize_grad: real_swiglu(h, p, r))
     arrived.clear()
     permuted_bf16 = step(fp8, x, ids, probs)
     assert arrived == [False, False]

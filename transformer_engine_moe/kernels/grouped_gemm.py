@@ -19,6 +19,8 @@ per-128 promotion), so a tile sees ``acc += dot(a_kb, b_kb) * sa * sb``.
   ``[N, m_g]`` and ``[K, m_g]`` blocks, block-major 128x1 scales ``[num_column_blocks, N]``),
   reducing over the group's tokens; float32 out, optionally accumulated into it (``main_grad``).
   The splits may cover only the leading rows: rows after them (a weightless group) are never read.
+- Helpers other backends launch: ``zero_weightless_rows`` (DeepGEMM: the rows of a weightless group)
+  and ``expert_major_scales`` (cuBLAS: each expert's 1x128 scales as its own transposed block).
 """
 
 from __future__ import annotations
@@ -197,6 +199,7 @@ def expert_major_scales(scale_inv: torch.Tensor, m_splits) -> torch.Tensor:
     per-expert ``VEC128_32F`` layout cuBLASLt reads (``kernels/cublaslt.grouped_gemm``). One launch, no host
     sync."""
     rows, s = sum(m_splits), scale_inv.shape[1]
+    scale_inv = scale_inv.contiguous()  # (COMPACT scales are: no copy)
     out = torch.empty(rows * s, dtype=scale_inv.dtype, device=scale_inv.device)
     if rows and s:
         sizes, g, _, max_groups = group_sizes_arg(m_splits, scale_inv.device)

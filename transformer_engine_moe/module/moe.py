@@ -7,7 +7,8 @@ router stays outside, as in Megatron. Phases (methods named after them, so recom
 1. ``quantize``: the tokens once, 1x128 E4M3 with power-of-two scales (cast 1 of 2);
 2. ``dispatch``: FP8 rows + scales + top-k ids + probs to the experts' ranks;
 3. ``experts``: permute+pad (FP8 rows, scales, probs) -> fc1 ``GroupedLinear`` on the FP8 tensor ->
-   weighted SwiGLU + quantization (the router prob is applied here) -> fc2 on that FP8 tensor
+   weighted SwiGLU + quantization (the router prob is applied here; its backward quantizes fc1's output
+   gradient in the same pass) -> fc2 on that FP8 tensor
    -> unpermute+unpad (BF16, cast 2 of 2: fc2's output; its backward quantizes the output gradient per token
    and permutes FP8 rows to fc2);
 4. ``combine``: BF16 sum back to the tokens' positions.
@@ -174,7 +175,8 @@ class FP8FlowMoE(nn.Module):
         transpose and runs no GEMM (``GroupedLinear.recompute_saved_input``); returns None."""
         x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert)
         h = self.linear_fc1(x, padded, is_first_microbatch)
-        act = weighted_swiglu_quant(h, probs, self.recipe)
+        # its backward hands fc1 the gradient quantized: bitwise what fc1 quantizes (amax_epsilon 0, as the kernel's)
+        act = weighted_swiglu_quant(h, probs, self.recipe, quantize_grad=not self.recipe.amax_epsilon)
         if rerun:
             self.linear_fc2.recompute_saved_input(act, padded)
             return None
