@@ -149,7 +149,7 @@ def test_expert_major_scales_are_to_columnwise(splits, s):
 def test_fprop_refuses_non_contiguous_operands_and_unpadded_weight_scales_by_name():
     """Checked before any CUDA call (so on the CPU too): the launches address experts by offsets."""
     x, w = fprop_operands([128, 128], 256, 768, device="cpu")
-    a, sa = x.rowwise_data, expert_major_scales(x.rowwise_scale_inv, [128, 128])
+    a, sa = x.rowwise_data, to_columnwise(x.rowwise_scale_inv, [128, 128])
     b, sb = w.rowwise_data.view(2, 256, 768), w.rowwise_scale_inv.view(2, 2, 6)
     padded = torch.nn.functional.pad(sb, (0, 2))
     out = torch.empty(256, 256, dtype=torch.bfloat16)
@@ -209,14 +209,17 @@ class _ModelOfCublasLt:
 
 @pytest.fixture
 def model_of_cublaslt(monkeypatch):
-    """The cuBLAS backend's launches on CPU tensors through ``_ModelOfCublasLt``, on two (named) streams."""
+    """The cuBLAS backend's launches on CPU tensors through ``_ModelOfCublasLt``, on two (named) streams (on a
+    GPU machine the expert-major scales by their reference: no interpreter runs Triton on CPU tensors there)."""
     from contextlib import contextmanager
 
-    from transformer_engine_moe.kernels import grouped_gemm_cublas
+    from transformer_engine_moe.kernels import grouped_gemm as kernels, grouped_gemm_cublas
 
     model = _ModelOfCublasLt()
     monkeypatch.setattr(cublaslt, "_context", lambda device: model)
     monkeypatch.setattr(grouped_gemm_cublas, "_side_streams", contextmanager(lambda device, jobs: (yield [0, 1])))
+    if CUDA:
+        monkeypatch.setattr(kernels, "expert_major_scales", lambda s, splits: to_columnwise(s[:sum(splits)], splits))
     return model, grouped_gemm_cublas
 
 
