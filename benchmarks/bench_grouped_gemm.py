@@ -1,8 +1,13 @@
 """Grouped blockwise-FP8 GEMMs (fprop, dgrad, wgrad) per backend vs BF16 ``torch._grouped_mm``, on the GPU.
 
-DeepSeek-V3 expert shapes, fc1 7168 -> 2*2048 and fc2 2048 -> 7168, swept over rows per expert 512 ... 16384
-at 131072 routed rows (16384 tokens, top-8), i.e. 128 ... 8 experts (at most 128: 512 rows/expert runs 128
-experts, 65536 rows). Equal splits, each a multiple of 512 so that every backend can run. Ops:
+Expert shapes (``--shape``): ``deepseek_v3`` (default), fc1 7168 -> 2*2048 and fc2 2048 -> 7168; or
+``qwen3_moe_like`` (Qwen3-30B-A3B), fc1 2048 -> 2*768 and fc2 768 -> 2048 (fc2's reduction dim 768 is not a
+multiple of 512: cuBLAS runs it through cuBLASLt with its own scale layouts). Swept over rows per expert
+512 ... 16384 at 131072 routed rows (16384 tokens, top-8), i.e. 128 ... 8 experts (at most 128: 512
+rows/expert runs 128 experts, 65536 rows). Equal splits, each a multiple of 512 so that every backend can run.
+Besides the GPU time, ``host_ms``: the host time of one call while the GPU is kept busy (a queued sleep), what
+its launches cost the CPU (cuBLAS: one cuBLASLt call per expert); a step whose host time exceeds its GPU time
+waits on the host. Ops:
 
 - ``fprop`` ``Y = X W_g^T`` and ``dgrad`` ``dX = dY W_g``: BF16 out;
 - ``wgrad`` ``dW_g = dY_g^T X_g``: written in BF16 (GroupedLinear without ``main_grad`` fusion);
@@ -19,7 +24,9 @@ fprop/dgrad, cuBLASLt itself for wgrad), ``triton``
 (device-tensor splits, no host sync), and ``bf16`` (``torch._grouped_mm``). Every FP8 output is checked
 against the float32 reference before it is timed. ``auto`` marks the backend ``ops.grouped_gemm`` picks.
 
-Run on a GPU: ``python benchmarks/bench_grouped_gemm.py [--rows 512 1024 ...] [--ops ...] [--sweep] [--suffix _h200]``.
+Run on a GPU: ``python benchmarks/bench_grouped_gemm.py [--shape qwen3_moe_like] [--rows 512 1024 ...] [--ops ...]
+[--backends deepgemm cublas triton bf16] [--sweep] [--suffix _h200]`` (results ``bench_grouped_gemm{_<shape>}{suffix}``;
+DeepGEMM compiles each new shape's kernels on first use, tens of seconds).
 """
 
 from __future__ import annotations
@@ -31,12 +38,13 @@ import torch
 
 from transformer_engine_moe import quantize_blockwise, quantize_grouped_weight, scaling_aware_transpose
 from transformer_engine_moe.kernels import grouped_gemm as kg
-from transformer_engine_moe.ops.grouped_gemm import _impl, grouped_gemm, grouped_gemm_wgrad
+from transformer_engine_moe.ops.grouped_gemm import GemmCall, _impl, grouped_gemm, grouped_gemm_wgrad
 
 import utils
 
 TOTAL_ROWS, MAX_EXPERTS = 131072, 128
-GEMMS = {"fc1": (4096, 7168), "fc2": (7168, 2048)}  # (N, K)
+SHAPES = {"deepseek_v3": {"fc1": (4096, 7168), "fc2": (7168, 2048)},  # (N, K) of each expert GEMM
+          "qwen3_moe_like": {"fc1": (1536, 2048), "fc2": (2048, 768)}}
 FP8_BACKENDS = ("deepgemm", "cublas", "triton")
 
 
@@ -106,25 +114,26 @@ def auto_backend(o, op, n, k) -> str:
     wgrad = op.startswith("wgrad")
     a = o["dyt"].columnwise_data if wgrad else (o["xq"] if op == "fprop" else o["dyq"]).rowwise_data
     out = torch.bfloat16 if op in ("fprop", "dgrad", "wgrad") else torch.float32
-    return _impl("auto", a, torch.float8_e4m3fn, o["splits"], k if op == "fprop" else n, out, op, wgrad=wgrad,
-                 weight_elements=n * k, accumulate=op.startswith("wgrad_main_grad"),
-                 out_list=op == "wgrad_main_grad_reversed").name
+    kind = ("wgrad_accumulate" if op.startswith("wgrad_main_grad") else "wgrad") if wgrad else "fprop"
+    call = GemmCall.of(kind, a, torch.float8_e4m3fn, o["splits"], out, weight_elements=n * k,
+                       out_list=op == "wgrad_main_grad_reversed")
+    return _impl("auto", call, a, op).name
 
 
-def run(rows_per_expert, gemm, ops) -> list[dict]:
-    n, k = GEMMS[gemm]
+def run(rows_per_expert, gemm, ops, shape="deepseek_v3", backends=FP8_BACKENDS + ("bf16",)) -> list[dict]:
+    n, k = SHAPES[shape][gemm]
     e = min(MAX_EXPERTS, TOTAL_ROWS // rows_per_expert)
     m = e * rows_per_expert
     o = operands(e, m, n, k)
     refs = references(o, ops)
     flops = 2 * m * n * k
     out = []
-    for backend in FP8_BACKENDS + ("bf16",):
+    for backend in backends:
         fns = bf16_calls(o) if backend == "bf16" else calls(o, backend)
         for op, fn in fns.items():
             if op not in ops:
                 continue
-            row = dict(rows_per_expert=rows_per_expert, experts=e, gemm=gemm, op=op, backend=backend)
+            row = dict(shape=shape, rows_per_expert=rows_per_expert, experts=e, gemm=gemm, op=op, backend=backend)
             try:
                 if backend != "bf16" and not op.startswith("wgrad_main_grad"):  # a wrong FP8 result is never timed
                     err = relerr(fn(), refs[op])
@@ -133,10 +142,12 @@ def run(rows_per_expert, gemm, ops) -> list[dict]:
                 torch.cuda.synchronize()
                 ms = utils.time_ms(fn)
             except (ImportError, ValueError) as exc:  # backend absent, or not applicable to this call
-                out.append(dict(row, ms=float("nan"), tflops=float("nan"), auto=f"n/a: {str(exc)[:70]}"))
+                out.append(dict(row, ms=float("nan"), tflops=float("nan"), host_ms=float("nan"),
+                                auto=f"n/a: {str(exc)[:70]}"))
                 continue
             picked = backend != "bf16" and auto_backend(o, op, n, k) == backend
-            out.append(dict(row, ms=ms, tflops=flops / ms / 1e9, auto="yes" if picked else ""))
+            out.append(dict(row, ms=ms, tflops=flops / ms / 1e9, host_ms=utils.busy_host_ms(fn),
+                            auto="yes" if picked else ""))
     return out
 
 
@@ -162,6 +173,8 @@ def main():
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--ops", nargs="+", default=["fprop", "dgrad", "wgrad", "wgrad_fp32", "wgrad_main_grad",
                                                      "wgrad_main_grad_reversed"])
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="deepseek_v3", help="the experts' GEMM shapes")
+    parser.add_argument("--backends", nargs="+", choices=FP8_BACKENDS + ("bf16",), default=FP8_BACKENDS + ("bf16",))
     parser.add_argument("--sweep", action="store_true", help="also sweep the Triton fprop kernel's launch shapes")
     parser.add_argument("--suffix", default="",
                         help="appended to the results' name (e.g. _h200: bench_grouped_gemm_h200 for a second GPU)")
@@ -174,12 +187,17 @@ def main():
                                    notes="config: (BLOCK_N, GROUP_M, num_warps, num_stages), E=8 65536x4096x7168.")
         print(path.read_text())
     results = []
+    gemms = SHAPES[args.shape]
+    shape = "" if args.shape == "deepseek_v3" else f"_{args.shape}"
     for rows in args.rows:  # written after each size: a run cut short keeps what it measured
-        results += [r for gemm in GEMMS for r in run(rows, gemm, args.ops)]
+        results += [r for gemm in gemms for r in run(rows, gemm, args.ops, args.shape, args.backends)]
         path = utils.write_results(
-            f"bench_grouped_gemm{args.suffix}", "Grouped blockwise FP8 GEMMs per backend vs BF16 grouped_mm (TFLOP/s)",
-            env, ceil, results, ["rows_per_expert", "experts", "gemm", "op", "backend", "tflops", "ms", "auto"],
-            notes=(f"fc1: N=4096, K=7168; fc2: N=7168, K=2048; {TOTAL_ROWS} rows (at most {MAX_EXPERTS} experts). "
+            f"bench_grouped_gemm{shape}{args.suffix}", "Grouped blockwise FP8 GEMMs per backend vs BF16 grouped_mm "
+            "(TFLOP/s)", env, ceil, results,
+            ["shape", "rows_per_expert", "experts", "gemm", "op", "backend", "tflops", "ms", "host_ms", "auto"],
+            notes=(f"{args.shape}: " + "; ".join(f"{g}: N={n}, K={k}" for g, (n, k) in gemms.items()) + ". "
+                   f"{TOTAL_ROWS} rows (at most {MAX_EXPERTS} experts). host_ms: one call's host time with the GPU "
+                   "busy behind a queued sleep (3 calls). "
                    f"Triton launch shapes: fprop/dgrad {kg.GEMM_CONFIG} (BLOCK_N, GROUP_M, warps, stages), wgrad "
                    f"{kg.WGRAD_CONFIG} (BLOCK_N, BLOCK_K, warps, stages). auto=yes: the backend ops.grouped_gemm "
                    "picks with backend='auto' for this call. Every FP8 output checked against the float32 "

@@ -402,3 +402,16 @@ def ddp_main_grad_hooks(module: nn.Module) -> list:
         p.grad_added_to_main_grad = False
         p.register_post_accumulate_grad_hook(hook)
     return fired
+
+
+def busy_host_ms(fn: Callable[[], object], reps: int = 3) -> float:
+    """Host milliseconds of one ``fn()`` issued while the GPU is busy behind a queued sleep, so that no launch
+    waits for the GPU: what the call costs the CPU (a step whose host time exceeds its GPU time waits on it)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU clock cycles
+    began = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    elapsed = time.perf_counter() - began
+    torch.cuda.synchronize()
+    return elapsed / reps * 1e3

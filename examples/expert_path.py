@@ -5,7 +5,7 @@ it is: Megatron's experts, or the FP8-Flow block with the device and backends it
 every op is the plain-PyTorch reference; on a GPU the Triton kernels, and for each grouped GEMM the first of
 ``AUTO_ORDER`` that can run it (DeepGEMM where it imports on a Hopper GPU, cuBLAS for experts averaging at
 least ``CUBLAS_MIN_MEAN_ROWS`` rows and that many rows of a ``CUBLAS_MIN_WEIGHT`` weight's multiply-adds,
-its wgrads where cuBLASLt >= 12.9 runs on a Hopper GPU, else Triton).
+where cuBLASLt >= 12.9 runs on a Hopper GPU, else Triton).
 """
 
 from __future__ import annotations
@@ -29,14 +29,13 @@ def gemm_backends(device: torch.device, backend: str = "auto") -> str:
     deepgemm, lt = grouped_gemm_deepgemm.available(device), cublaslt.available(device)
     kinds = []
     for kind, label in (("fprop", "fprop/dgrad"), ("wgrad", "wgrad"), ("wgrad_accumulate", "wgrad into main_grad")):
-        order = [n for n in AUTO_ORDER[kind]  # (cuBLAS's fprop/dgrad is torch._scaled_mm, its wgrads cuBLASLt)
-                 if (n != "deepgemm" or deepgemm) and (n != "cublas" or lt or kind == "fprop")]
+        order = [n for n in AUTO_ORDER[kind] if (n != "deepgemm" or deepgemm) and (n != "cublas" or lt)]
         names = dict(_NAMES, deepgemm="DeepGEMM (main_grad as one [G, N, K])") if kind == "wgrad_accumulate" else _NAMES
         kinds.append(f"{label} " + " > ".join(
             _cublas(CUBLAS_MIN_MEAN_ROWS[kind], CUBLAS_MIN_WEIGHT) if n == "cublas" else names[n] for n in order))
     return ("Triton kernels; grouped GEMMs 'auto', per call the first that can run it: " + "; ".join(kinds)
             + ("" if deepgemm else " (DeepGEMM not importable here or not a Hopper GPU)")
-            + ("" if lt else " (cuBLAS's wgrads need cuBLASLt >= 12.9 on a Hopper GPU)"))
+            + ("" if lt else " (cuBLAS needs cuBLASLt >= 12.9 on a Hopper GPU)"))
 
 
 def _cublas(rows: int, weight: int) -> str:

@@ -11,7 +11,7 @@ from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise, qu
 from transformer_engine_moe.kernels import grouped_gemm_deepgemm as dg
 from transformer_engine_moe.module import GroupedLinear
 from transformer_engine_moe.ops import scaling_aware_transpose
-from transformer_engine_moe.ops.grouped_gemm import _impl, grouped_gemm, grouped_gemm_wgrad
+from transformer_engine_moe.ops.grouped_gemm import GemmCall, _impl, grouped_gemm, grouped_gemm_wgrad
 
 HAVE_DG = CUDA and dg.available(torch.device("cuda"))
 requires_deepgemm = pytest.mark.skipif(not HAVE_DG, reason="needs DeepGEMM on a Hopper GPU")
@@ -71,7 +71,10 @@ def test_wgrad_matches_reference_and_accumulates(splits):
 def test_auto_picks_deepgemm_only_where_it_can_run():
     splits = [384, 128, 0, 0]
     w, wt, x, dy = operands(splits)
-    pick = lambda a, b, s, out=torch.bfloat16, **kw: _impl("auto", a, b, s, 512, out, "t", **kw).name
+    def pick(a, b, s, out=torch.bfloat16, wgrad=False, accumulate=False, weight_elements=0):
+        kind = ("wgrad_accumulate" if accumulate else "wgrad") if wgrad else "fprop"
+        return _impl("auto", GemmCall.of(kind, a, b, s, out, weight_elements), a, "t").name
+
     assert pick(x.rowwise_data, E4M3, splits) == "deepgemm"
     assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda")) == "deepgemm"
     assert pick(x.rowwise_data, E5M2, splits) != "deepgemm"  # HYBRID's E5M2 gradients

@@ -393,6 +393,27 @@ def test_wgrad_operands_are_columnwise_only(monkeypatch):
     assert seen == [(("columnwise",), ("columnwise",))]
 
 
+@pytest.mark.parametrize("pow2", [True, False], ids=["pow2-taken-as-is", "other-scales-requantized"])
+def test_output_gradient_arriving_quantized(pow2):
+    """An output gradient that arrives as a rowwise 1x128 FP8 tensor with power-of-two scales (``moe_unpermute``'s
+    ``grad_quantize``) is what backward uses: gradients bitwise those of a BF16 gradient whose quantization it is;
+    one with other scales is dequantized and quantized again, as its BF16 value would be."""
+    splits = [128, 0, 128]
+    gl, x = setup(splits)
+    dy = torch.randn(x.shape[0], 128, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    q = quantize_blockwise(dy, pow2_scales=pow2)
+    same_as = dy if pow2 else q.dequantize(torch.bfloat16)
+
+    def grads(g):
+        for w in gl.weights:
+            w.grad = None
+        xi = x.clone().requires_grad_()
+        torch.autograd.backward(gl(xi, splits), g)
+        return [xi.grad] + [w.grad for w in gl.weights]
+
+    assert all(torch.equal(a, b) for a, b in zip(grads(q), grads(same_as)))
+
+
 def test_load_state_dict_drops_the_fp8_weight_cache():
     """A cache made before ``load_state_dict`` is never used after it, even by ``is_first_microbatch=False``."""
     splits = [128, 128]

@@ -121,6 +121,37 @@ def test_moe_expert_rerun_skips_fc2s_gemm_and_weights(monkeypatch, flag, early_s
         assert all(torch.equal(u, v) for u, v in zip(us, vs))
 
 
+@pytest.mark.parametrize("recompute,hybrid", [(None, False), ("moe_expert", True)], ids=["e4m3", "moe_expert-hybrid"])
+def test_expert_gemms_take_their_output_gradients_quantized_bitwise(monkeypatch, recompute, hybrid):
+    """unpermute's backward quantizes each token's output gradient once and permutes the FP8 rows to fc2, and
+    SwiGLU's backward quantizes fc1's in its own pass; both GEMMs take them as they come (no BF16 [M, H] or
+    [M, 2F] gradient written and read again), and the output and every gradient are bit for bit the block's that
+    hands them BF16 gradients to quantize."""
+    import transformer_engine_moe.module.moe as moe
+    from transformer_engine_moe import FP8FlowRecipe, Float8BlockwiseQTensor, Format, moe_unpermute
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
+
+    torch.manual_seed(0)
+    fp8 = FP8FlowMoE(E, H, FFN, K, align_size=128, recompute=recompute,
+                     recipe=FP8FlowRecipe(Format.HYBRID) if hybrid else None)
+    x, ids, probs = batch(6)
+    arrived, real = [], grouped_linear._quantized_grad
+    monkeypatch.setattr(grouped_linear, "_quantized_grad",
+                        lambda g, args: arrived.append(isinstance(g, Float8BlockwiseQTensor)) or real(g, args))
+    per_token = step(fp8, x, ids, probs)
+    assert arrived == [True, True]  # fc2, then fc1
+    monkeypatch.setattr(FP8FlowMoE, "_unpermute", lambda self, y, m, pad: moe_unpermute(y, m, pad_offsets=pad))
+    real_swiglu = moe.weighted_swiglu_quant
+    monkeypatch.setattr(moe, "weighted_swiglu_quant", lambda h, p, r, quantize_grad: real_swiglu(h, p, r))
+    arrived.clear()
+    permuted_bf16 = step(fp8, x, ids, probs)
+    assert arrived == [False, False]
+    for u, v in zip(per_token[:3], permuted_bf16[:3]):
+        assert torch.equal(u, v)
+    for us, vs in zip(per_token[3:5], permuted_bf16[3:5]):
+        assert all(torch.equal(u, v) for u, v in zip(us, vs))
+
+
 @pytest.mark.parametrize("recompute", [None, "moe_expert"])
 def test_single_grouped_weight_block_is_bitwise_the_per_expert_block(recompute):
     """single_grouped_weight (one [E, N, K] parameter per GroupedLinear) loads the per-expert block's state

@@ -7,8 +7,8 @@ import torch
 
 from conftest import CUDA, KERNEL_DEVICE, relerr, requires_cuda
 from transformer_engine_moe import quantize_blockwise, scaling_aware_transpose
-from transformer_engine_moe.ops.grouped_gemm import (CUBLAS_MIN_WEIGHT, _impl, cublas_pays, grouped_gemm,
-                                                     grouped_gemm_wgrad, stacked_view)
+from transformer_engine_moe.ops.grouped_gemm import (CUBLAS_MIN_WEIGHT, GemmCall, _impl, auto_backend, cublas_pays,
+                                                     grouped_gemm, grouped_gemm_wgrad, stacked_view, why_not)
 from transformer_engine_moe.ops.transpose import transpose_grouped_weight
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -256,7 +256,7 @@ def test_gpu_auto_written_wgrad_takes_cublas_only_where_it_pays(n, k, rows, pick
     """A wgrad written, not added (BF16, or float32: overwrite_main_grad), has 'auto' order cuBLAS > Triton (no
     DeepGEMM, which would zero and add): cuBLAS only for large expert GEMMs."""
     a = torch.empty(n, rows * 4, dtype=torch.float8_e4m3fn, device="cuda")
-    impl = _impl("auto", a, a.dtype, [rows] * 4, 0, out_dtype, "t", wgrad=True, weight_elements=n * k)
+    impl = _impl("auto", GemmCall.of("wgrad", a, a.dtype, [rows] * 4, out_dtype, weight_elements=n * k), a, "t")
     assert impl.name == picked
 
 
@@ -312,10 +312,67 @@ def test_gpu_trailing_weightless_group_cublas():
 
 
 @requires_cuda
-def test_gpu_cublas_pitfall_is_guarded():
-    """K/128 not a multiple of 4 (K=2176): torch 2.11's cuBLAS is silently wrong; 'auto' takes Triton."""
+def test_gpu_cublas_right_where_torch_scaled_mm_was_wrong():
+    """K/128 not a multiple of 4 (K=2176): torch 2.11's ``_scaled_mm`` was silently wrong (relative error 0.40);
+    cuBLASLt called with its own 128x128 scale layout is right, and so is 'auto'."""
     w, x = weights(2, 256, 2176, "cuda"), act(512, 2176, device="cuda")
-    with pytest.raises(ValueError, match="multiple of 512"):
-        grouped_gemm(x, w, [256, 256], backend="cublas")
     ref = grouped_gemm(x, w, [256, 256], out_dtype=torch.float32, backend="reference")
+    assert relerr(grouped_gemm(x, w, [256, 256], out_dtype=torch.float32, backend="cublas"), ref) < TOL
     assert relerr(grouped_gemm(x, w, [256, 256], out_dtype=torch.float32), ref) < TOL
+
+
+# One expert's weight elements (N x K) at Qwen3-30B-A3B's expert shapes and DeepSeek-V3's
+QWEN_FC1, QWEN_FC2, V3_FC1, V3_FC2 = 1536 * 2048, 2048 * 768, 4096 * 7168, 7168 * 2048
+QWEN_SPLITS = [1024] * 128  # 16384 tokens, top-8, 128 local experts
+
+
+@pytest.mark.parametrize("deepgemm", [True, False], ids=["with-deepgemm", "without-deepgemm"])
+def test_auto_policy_per_shape(monkeypatch, deepgemm):
+    """Which backend 'auto' runs each GEMM on (``auto_backend``, the one place it is decided), from the call's facts
+    alone: DeepGEMM first for fprop/dgrad where it runs (E4M3, groups of multiples of 128); cuBLAS (cuBLASLt per
+    expert, any reduction dim now) only where its launch per expert pays (``cublas_pays``); Triton otherwise, and
+    for device splits wherever DeepGEMM cannot take them; the reference off the GPU."""
+    from transformer_engine_moe.kernels import grouped_gemm_deepgemm
+
+    monkeypatch.setattr(grouped_gemm_deepgemm, "alignment", lambda: 128)
+    bf16, f32 = torch.bfloat16, torch.float32
+
+    def pick(kind, splits, weight, a=E4M3, out=bf16, **kw):
+        return auto_backend(GemmCall(kind, a, E4M3, splits, out, weight, deepgemm=deepgemm, cublaslt=True, **kw))
+
+    dg_or = lambda other: "deepgemm" if deepgemm else other  # noqa: E731
+    # fprop/dgrad at Qwen3 shapes (K 2048 or 768): DeepGEMM, else Triton (too little work per cuBLAS launch)
+    for weight in (QWEN_FC1, QWEN_FC2):
+        assert pick("fprop", QWEN_SPLITS, weight) == dg_or("triton")
+    assert pick("fprop", [2048] * 64, V3_FC2) == dg_or("cublas") and pick("fprop", [1024] * 128, V3_FC1) == dg_or("triton")
+    # HYBRID's dgrad (E5M2 dY): never DeepGEMM; cuBLAS where it pays, at any reduction dim
+    assert pick("fprop", [2048] * 64, V3_FC2, a=E5M2) == "cublas" and pick("fprop", QWEN_SPLITS, QWEN_FC2, a=E5M2) == "triton"
+    # groups DeepGEMM cannot take (not multiples of 128) but cuBLAS can (16)
+    assert pick("fprop", [2064] * 64, V3_FC2) == "cublas" and pick("fprop", [2056] * 64, V3_FC2) == "triton"
+    # wgrads: cuBLAS for DeepSeek-sized experts; Qwen3's are too small per launch: Triton written, and added into
+    # main_grad DeepGEMM where it runs (one [G, N, K]); a list of main_grads never DeepGEMM
+    for out, kind in ((bf16, "wgrad"), (f32, "wgrad"), (f32, "wgrad_accumulate")):
+        assert pick(kind, [1024] * 128, V3_FC2, out=out) == "cublas"
+        assert pick(kind, QWEN_SPLITS, QWEN_FC1, out=out) == (dg_or("triton") if kind == "wgrad_accumulate" else "triton")
+    assert pick("wgrad_accumulate", QWEN_SPLITS, QWEN_FC1, out=f32, out_list=True) == "triton"
+    # device splits: DeepGEMM's fprop takes them (aligned on the device), nothing else but Triton
+    splits = torch.tensor(QWEN_SPLITS)
+    assert pick("fprop", splits, V3_FC1) == dg_or("triton") and pick("wgrad", splits, V3_FC1) == "triton"
+    assert auto_backend(GemmCall("fprop", E4M3, E4M3, QWEN_SPLITS, bf16, QWEN_FC1, cuda=False)) is None
+
+
+def test_cublas_refusals_name_what_it_needs():
+    """``backend="cublas"`` on a call it cannot run says why (``why_not``): no cuBLASLt >= 12.9 on a Hopper GPU,
+    groups not multiples of 16 rows (fprop/dgrad) or 128 (wgrad), a device tensor of splits, FP16 output, two E5M2
+    operands; a reduction dim that is not a multiple of 512 is no longer one of them."""
+    def why(kind="fprop", splits=(256, 512), a=E4M3, b=E4M3, out=torch.bfloat16, cublaslt=True):
+        return why_not("cublas", GemmCall(kind, a, b, list(splits) if isinstance(splits, tuple) else splits, out,
+                                          cublaslt=cublaslt))
+
+    assert why() is None and why(out=torch.float32) is None and why(a=E5M2) is None and why(splits=(16, 0, 48)) is None
+    assert "cuBLASLt >= 12.9" in why(cublaslt=False)
+    assert "multiple of 16 rows" in why(splits=(256, 100)) and "host list" in why(splits=torch.tensor([256]))
+    assert "BF16 or float32 output (got torch.float16)" in why(out=torch.float16)
+    assert "not both operands E5M2" in why(a=E5M2, b=E5M2)
+    assert why("wgrad", (128, 256)) is None and "multiple of 128 rows" in why("wgrad", (128, 144))
+    assert why_not("cublas", GemmCall("fprop", E4M3, E4M3, [256], torch.bfloat16, cuda=False)) == "it needs CUDA tensors"

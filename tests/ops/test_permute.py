@@ -518,3 +518,45 @@ def test_unpermute_of_the_padded_output_without_pad_offsets_is_refused(host_coun
     before = len(permute_ops._PERMUTE_MAPS)
     del rmap16
     assert len(permute_ops._PERMUTE_MAPS) == before - 1  # an entry leaves with its map
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_unpermute_hands_back_its_gradient_quantized_per_token_bitwise(backend, fp8):
+    """``grad_quantize``: the gradient of the padded expert rows arrives as a rowwise 1x128 FP8 tensor, bitwise
+    the quantization of the BF16 gradient the plain backward permutes (each token's row quantized once, its
+    copies permuted with their scales; padding rows zero bytes with scale_inv 1, as a quantized zero row),
+    special values included."""
+    from transformer_engine_moe.ops.quantize import QuantizeArgs
+
+    rm, probs = routing(48, 4, 2)
+    counts = rm.sum(0).tolist()
+    x, _, row_id_map, pad_offsets, _ = moe_permute_and_pad_with_probs(
+        torch.randn(48, 256, device=KERNEL_DEVICE, dtype=torch.bfloat16), probs, rm, counts, 16, backend=backend)
+    dy = torch.randn(48, 256, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+    dy[0, 5], dy[2, 200], dy[3, 7] = float("nan"), float("inf"), -0.0
+    args = QuantizeArgs(fp8_dtype=fp8, backend=backend)  # the quantization compared with below
+    grads = []
+    for quantize in (None, args):
+        y = x.detach().requires_grad_()
+        moe_unpermute(y, row_id_map, pad_offsets=pad_offsets, grad_quantize=quantize, backend=backend).backward(dy)
+        grads.append(y.grad)
+    plain, got = grads
+    assert isinstance(got, Float8BlockwiseQTensor) and got.fp8_dtype == fp8 and got.shape == plain.shape
+    want = quantize_blockwise(plain, fp8_dtype=fp8, backend=backend)
+    assert torch.equal(got.rowwise_data.view(torch.uint8), want.rowwise_data.view(torch.uint8))
+    assert torch.equal(got.rowwise_scale_inv.view(torch.int32), want.rowwise_scale_inv.view(torch.int32))
+
+
+def test_unpermute_grad_quantize_is_checked():
+    from transformer_engine_moe.ops.quantize import QuantizeArgs
+
+    rm, probs = routing(8, 4, 2, device="cpu")
+    y, row_id_map = moe_permute(torch.randn(8, 128), rm, num_out_tokens=16)
+    with pytest.raises(TypeError, match="grad_quantize must be None or QuantizeArgs"):
+        moe_unpermute(y, row_id_map, grad_quantize=torch.float8_e4m3fn)
+    for bad in (QuantizeArgs(block="128x128"), QuantizeArgs(columnwise=True), QuantizeArgs(amax_epsilon=1e-6)):
+        with pytest.raises(ValueError, match="grad_quantize must be 1x128 rowwise only with amax_epsilon 0"):
+            moe_unpermute(y, row_id_map, grad_quantize=bad)
+    with pytest.raises(ValueError, match="grad_quantize needs merging_probs None"):
+        moe_unpermute(y, row_id_map, probs, grad_quantize=QuantizeArgs())

@@ -95,6 +95,27 @@ def test_backward_kernel_matches_reference(with_probs, quantize_grad):
         assert_dprobs_close(dpa, dpb, dy, x)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_quantized_grad_is_the_quantized_unquantized_grad(backend, dtype):
+    """``quantize_grad=True`` gives bitwise ``quantize_blockwise`` of the dx that ``quantize_grad=False`` gives (the
+    fused backward rounds dx to x's dtype before its 1x128 quantization, as storing it would): fc1's dgrad operand
+    without writing and reading a BF16 dx. Special values and a tiny block (the overflowing scale's value is the
+    input dtype's) included."""
+    x, probs = inputs(64, 384, dtype=dtype)
+    x[5, 7], x[9, 400] = float("nan"), float("inf")
+    dy = torch.randn(64, 384, device=KERNEL_DEVICE)
+    dy[11, 128:256] *= 1e-38  # a block whose fp8_max / amax overflows float32
+    dxs = []
+    for quantize_grad in (False, True):
+        xr = x.clone().requires_grad_()
+        weighted_swiglu_quant(xr, probs, HYBRID, quantize_grad=quantize_grad, backend=backend).dequantize().backward(dy)
+        dxs.append(xr.grad)
+    want = quantize_blockwise(dxs[0], fp8_dtype=torch.float8_e5m2, backend=backend)
+    assert torch.equal(dxs[1].rowwise_data.view(torch.uint8), want.rowwise_data.view(torch.uint8))
+    assert torch.equal(dxs[1].rowwise_scale_inv.view(torch.int32), want.rowwise_scale_inv.view(torch.int32))
+
+
 def test_zero_rows_give_zeros_and_zero_gradients():
     x, probs = inputs(16, 128)
     x[3:9] = 0.0

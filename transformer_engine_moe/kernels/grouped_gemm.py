@@ -19,6 +19,8 @@ per-128 promotion), so a tile sees ``acc += dot(a_kb, b_kb) * sa * sb``.
   ``[N, m_g]`` and ``[K, m_g]`` blocks, block-major 128x1 scales ``[num_column_blocks, N]``),
   reducing over the group's tokens; float32 out, optionally accumulated into it (``main_grad``).
   The splits may cover only the leading rows: rows after them (a weightless group) are never read.
+- Helpers other backends launch: ``zero_weightless_rows`` (DeepGEMM: the rows of a weightless group)
+  and ``expert_major_scales`` (cuBLAS: each expert's 1x128 scales as its own transposed block).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ GEMM_CONFIG = (128, 16, 8, 3)
 # several programs share an SM and one's MMAs run while another promotes (H200, 64x2048 / 128x1024 rows,
 # fc1 and fc2: 614-630 / 514-522 TFLOP/s, against 505 / 428 for 128x128 with 8 warps; bitwise same).
 WGRAD_CONFIG = (128, 64, 4, 3)
+# Rows per program of ``expert_major_scales``.
+EXPERT_MAJOR_ROWS = 128
 
 
 @triton.jit
@@ -172,6 +176,37 @@ def _zero_weightless_rows_kernel(c_ptr, sizes_ptr, num_groups, num_weights, M, N
         ok = ((rows >= first) & (rows < M))[:, None] & (cols < N)[None, :]
         zeros = tl.zeros((128, BLOCK_N), c_ptr.dtype.element_ty)
         tl.store(c_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :], zeros, mask=ok)
+
+
+@triton.jit
+def _expert_major_scales_kernel(s_ptr, out_ptr, sizes_ptr, num_groups, S: tl.constexpr, S_PAD: tl.constexpr,
+                                MAX_GROUPS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows ``[BLOCK_M * program_id(1), ...)`` of group ``program_id(0)`` of ``s [M, S]``, transposed into the
+    group's ``[S, m_g]`` block at element ``S * first_g`` of ``out``."""
+    first, size, _ = group_extent(tl.program_id(0), sizes_ptr, num_groups, MAX_GROUPS)
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.arange(0, S_PAD)
+    ok = (r < size)[:, None] & (c < S)[None, :]
+    first64 = first.to(tl.int64)
+    v = tl.load(s_ptr + (first64 + r)[:, None] * S + c[None, :], mask=ok)
+    tl.store(out_ptr + first64 * S + c.to(tl.int64)[None, :] * size + r[:, None], v, mask=ok)
+
+
+def expert_major_scales(scale_inv: torch.Tensor, m_splits) -> torch.Tensor:
+    """The 1x128 scales ``scale_inv [M, S]`` (float32, COMPACT) of the rows the host list ``m_splits`` groups (its
+    leading ``sum(m_splits)`` rows) -> float32 ``[sum(m_splits) * S]``: each group's scales transposed, ``[S, m_g]``,
+    at element ``S * (m_0 + ... + m_{g-1})``: ``layout.to_columnwise(scale_inv, m_splits)``, bit for bit, and the
+    per-expert ``VEC128_32F`` layout cuBLASLt reads (``kernels/cublaslt.grouped_gemm``). One launch, no host
+    sync."""
+    rows, s = sum(m_splits), scale_inv.shape[1]
+    scale_inv = scale_inv.contiguous()  # (COMPACT scales are: no copy)
+    out = torch.empty(rows * s, dtype=scale_inv.dtype, device=scale_inv.device)
+    if rows and s:
+        sizes, g, _, max_groups = group_sizes_arg(m_splits, scale_inv.device)
+        _expert_major_scales_kernel[(g, triton.cdiv(max(m_splits), EXPERT_MAJOR_ROWS))](
+            scale_inv, out, sizes, g, S=s, S_PAD=triton.next_power_of_2(s), MAX_GROUPS=max_groups,
+            BLOCK_M=EXPERT_MAJOR_ROWS)
+    return out
 
 
 def zero_weightless_rows(c, m_splits, num_weights):

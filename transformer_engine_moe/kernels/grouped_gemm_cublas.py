@@ -1,26 +1,23 @@
-"""Grouped blockwise-FP8 GEMMs as one cuBLAS GEMM per non-empty expert (Hopper).
+"""Grouped blockwise-FP8 GEMMs as one cuBLAS GEMM per non-empty expert (Hopper), through cuBLASLt itself.
 
-For splits already on the host (DeepEP returns them as a list): no sync, one
-launch per expert (wgrad's spread over ``NUM_COMPUTE_STREAMS`` streams). Same
-signatures as ``kernels/grouped_gemm.py``; layouts (checked on an H100/H200 with
-torch 2.11, docs/grouped_gemm.md):
+For splits already on the host (DeepEP returns them as a list): no sync, one launch per expert, spread
+over ``NUM_COMPUTE_STREAMS`` streams. Same signatures as ``kernels/grouped_gemm.py``; the launches and
+cuBLAS's layouts are ``kernels/cublaslt.py``'s:
 
-- fprop ``A_e [m, K] @ W_e^T`` through ``torch._scaled_mm``: ``scale_a`` = the 1x128
-  scales as a column-major ``[m, K/128]``, ``b = W_e.t()``, ``scale_b = S_e.t()`` (128x128 scales).
-- dgrad ``dY_e [m, N] @ W_e``: cuBLAS wants B column-major, so ``b`` is the
-  transposed weight ``W_e^T [K, N]`` made by the caller (``weight_t``), ``.t()``.
-- wgrad ``dY_e^T [N, m] @ X_e [m, K]`` through cuBLASLt itself (``kernels/cublaslt.py``: beta = 1
-  adds into ``main_grad`` in the epilogue, which ``torch._scaled_mm`` cannot) from the
-  expert-major columnwise copies: expert e's contiguous ``[N, m]`` and ``[K, m]`` blocks and
-  their block-major 128x1 scales, as they lie. Needs each group's m a multiple of 128 (no
-  partial 1x128 block along cuBLAS's reduction) and not both operands E5M2.
+- fprop ``A_e [m, R] @ W_e^T`` and dgrad ``dY_e [m, N] @ W_e`` (through the transposed weight ``W_e^T
+  [K, N]`` made by the caller, K-major as Hopper's FP8 kernels want): the 1x128 scales are first laid out
+  expert-major (``kernels/grouped_gemm.expert_major_scales``, one Triton launch: cuBLAS reads each expert's
+  as its own ``[R/128, m]`` block, rows contiguous) and the 128x128 scales' rows padded to a multiple of 4
+  blocks when R/128 is not one (cuBLAS's leading dimension; torch 2.11's ``_scaled_mm`` passed them unpadded
+  and was silently wrong there). Any R that is a multiple of 128; groups of multiples of 16 rows
+  (``ROW_ALIGNMENT``); BF16 or float32 out.
+- wgrad ``dY_e^T [N, m] @ X_e [m, K]`` from the expert-major columnwise copies: expert e's contiguous
+  ``[N, m]`` and ``[K, m]`` blocks and their block-major 128x1 scales, as they lie; beta = 1 adds into
+  ``main_grad`` in the epilogue. Needs each group's m a multiple of 128 (no partial 1x128 block along
+  cuBLAS's reduction).
 
-cuBLAS blockwise in torch 2.11 gives silently wrong results for 1x128 x 128x128
-(fprop/dgrad) when the reduction has a number of 128-blocks that is not a multiple
-of 4 (docs/grouped_gemm.md): ``supports`` says which calls are safe and the op falls
-back to another backend otherwise. The 1x128 x 1x128 wgrad is correct for any
-multiple of 128 (checked on an H200: relative error 1.3e-4 at groups of 128, 384,
-640, 1152 rows).
+Neither runs both operands E5M2 (cuBLAS's FP8 pairs); ``supports`` and ``supports_wgrad`` say which calls
+can run, and ``ops/grouped_gemm.py`` sends the others to another backend.
 """
 
 from __future__ import annotations
@@ -31,7 +28,10 @@ import torch
 
 from . import cublaslt
 
-# Per-expert wgrad GEMMs go round-robin over this many CUDA streams forked from and joined back into the
+# Rows per group of the fprop/dgrad: 16-byte aligned scale blocks (TransformerEngine asks 8 rows of a 1x128-scaled
+# cuBLAS operand; its MoE pads experts' rows to 16 for FP8, FP8FlowMoE to 128).
+ROW_ALIGNMENT = 16
+# Per-expert GEMMs go round-robin over this many CUDA streams forked from and joined back into the
 # caller's (as TransformerEngine's NVTE_NUM_COMPUTE_STREAMS for its grouped GEMMs): one expert's GEMM fills
 # the launch gap and the last partial wave of another. 1: everything on the current stream.
 NUM_COMPUTE_STREAMS = 2
@@ -63,9 +63,11 @@ def _side_streams(device: torch.device, jobs: int):
             main.wait_stream(s)
 
 
-def supports(reduction: int, m_splits) -> bool:
-    """Whether the cuBLAS path is correct for a reduction dim of ``reduction`` over groups ``m_splits``."""
-    return isinstance(m_splits, (list, tuple)) and reduction % 512 == 0
+def supports(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits, out_dtype: torch.dtype) -> bool:
+    """Whether the cuBLAS fprop/dgrad can run (given ``cublaslt.available``): not both operands E5M2, host splits,
+    each a multiple of ``ROW_ALIGNMENT``, BF16 or float32 out."""
+    return (not a_dtype == b_dtype == torch.float8_e5m2 and isinstance(m_splits, (list, tuple))
+            and all(s % ROW_ALIGNMENT == 0 for s in m_splits) and out_dtype in (torch.bfloat16, torch.float32))
 
 
 def supports_wgrad(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits) -> bool:
@@ -75,8 +77,11 @@ def supports_wgrad(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits) -> bool
             and all(s % 128 == 0 for s in m_splits))
 
 
-def _col_major(s: torch.Tensor) -> torch.Tensor:
-    return s.t().contiguous().t()
+def _padded_blocks(b_scale_inv: torch.Tensor) -> torch.Tensor:
+    """128x128 scales ``[G, N/128, R/128]`` as cuBLAS reads them: rows padded to a multiple of 4 blocks (a copy
+    only where R/128 is not one; the padding is never read)."""
+    pad = -b_scale_inv.shape[-1] % 4
+    return torch.nn.functional.pad(b_scale_inv, (0, pad)) if pad else b_scale_inv.contiguous()
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
@@ -84,13 +89,16 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
     trailing weightless group's rows zeroed)."""
     m, n = a.shape[0], b.shape[1]
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    lo = 0
-    for g, size in enumerate(m_splits[:b.shape[0]]):
-        if size:
-            torch._scaled_mm(a[lo:lo + size], b[g].t(), _col_major(a_scale_inv[lo:lo + size]), b_scale_inv[g].t(),
-                             out_dtype=out_dtype, out=c[lo:lo + size])
-        lo += size
-    c[lo:].zero_()
+    splits = list(m_splits[:b.shape[0]])
+    rows = sum(splits)
+    if rows:
+        from .grouped_gemm import expert_major_scales  # Triton: present wherever cuBLAS runs
+
+        scales = expert_major_scales(a_scale_inv, splits)
+        with _side_streams(a.device, sum(1 for size in splits if size)) as streams:
+            cublaslt.grouped_gemm(a, scales, b, _padded_blocks(b_scale_inv), splits, c, streams)
+    if rows < m:
+        c[rows:].zero_()
     return c
 
 

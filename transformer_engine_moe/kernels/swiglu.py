@@ -87,7 +87,9 @@ def _weighted_swiglu_backward_kernel(
         da = (g * b) * dsilu
         db = g * silu
         dxa = dx_ptr + rows[:, None] * (2 * F) + cols[None, :]
-        if QUANTIZE_GRAD:
+        if QUANTIZE_GRAD:  # rounded to x's dtype first: bitwise the quantization of the dx stored otherwise
+            da = to_float(cast_for_store(da, x_ptr.dtype.element_ty, SOFTWARE_CAST), SOFTWARE_CAST)
+            db = to_float(cast_for_store(db, x_ptr.dtype.element_ty, SOFTWARE_CAST), SOFTWARE_CAST)
             num_kb = 2 * F // 128
             kb = k0 // 128 + tl.arange(0, K_BLOCKS)
             smask = row_ok[:, None] & (kb < F // 128)[None, :]
@@ -107,9 +109,10 @@ def _weighted_swiglu_backward_kernel(
         tl.store(dp_ptr + rows, dp, mask=row_ok)
 
 
-def _common(x, fp8_dtype, force_pow_2_scales):
+def _common(x, fp8_dtype, force_pow_2_scales, quantized_dtype=torch.float32):
+    """The launch arguments of a quantization of ``quantized_dtype`` values (the overflowing scale's value)."""
     return dict(
-        value_for_inf=scale_value_for_inf(torch.float32),
+        value_for_inf=scale_value_for_inf(quantized_dtype),
         FP8_MAX=fp8_max(fp8_dtype), E5M2=fp8_dtype == torch.float8_e5m2, POW2=bool(force_pow_2_scales),
         SOFTWARE_CAST=use_software_cast(x),
     )
@@ -134,8 +137,8 @@ def weighted_swiglu_quant(x, probs, fp8_dtype, force_pow_2_scales, config=None):
 
 def weighted_swiglu_backward(dy, x, probs, grad_fp8_dtype=None, force_pow_2_scales=True, config=None):
     """``dy [M, F]``, ``x [M, 2F]``, ``probs [M]`` or None -> ``(dx, dx_scale_inv, dprobs)``: dx ``[M, 2F]``
-    in ``x``'s dtype (``dx_scale_inv`` None), or FP8 1x128 in ``grad_fp8_dtype`` with ``[M, 2F/128]`` scales;
-    dprobs float32 ``[M]`` or None."""
+    in ``x``'s dtype (``dx_scale_inv`` None), or FP8 1x128 in ``grad_fp8_dtype`` with ``[M, 2F/128]`` scales
+    (bitwise ``quantize_1x128`` of the dx in ``x``'s dtype); dprobs float32 ``[M]`` or None."""
     m, f2 = x.shape
     f = f2 // 2
     quantize = grad_fp8_dtype is not None
@@ -153,6 +156,6 @@ def weighted_swiglu_backward(dy, x, probs, grad_fp8_dtype=None, force_pow_2_scal
             dxs if quantize else dummy, dp if dp is not None else dummy, m, f,
             HAS_PROBS=probs is not None, QUANTIZE_GRAD=quantize, BLOCK_M=block_m, K_BLOCKS=k_blocks,
             num_warps=num_warps, enable_fp_fusion=False,
-            **_common(x, grad_fp8_dtype or torch.float8_e4m3fn, force_pow_2_scales),
+            **_common(x, grad_fp8_dtype or torch.float8_e4m3fn, force_pow_2_scales, x.dtype),
         )
     return dx, dxs, dp

@@ -14,7 +14,8 @@ used as is, never dequantized. Per step:
   wanted, only the input's scaling-aware transpose (expert-major 128x1, what wgrad
   reads; the rowwise input is not kept, as TE keeps only the columnwise copy).
 - backward: the output gradient is quantized 1x128 (E4M3, or E5M2 for the HYBRID
-  recipe); dgrad ``dX = dY @ W_g`` through W^T (a byte transpose of W where W was
+  recipe), or taken as it comes when it arrives so quantized (``FP8FlowMoE``'s unpermute
+  quantizes it per token and permutes FP8 rows); dgrad ``dX = dY @ W_g`` through W^T (a byte transpose of W where W was
   kept), dropped right after the dgrad GEMM; wgrad ``dW_g = dY_g^T X_g`` from the
   scaling-aware transpose of dY and the kept transpose of the input. With
   ``fuse_wgrad_accumulation``, wgrad is added into each weight's ``main_grad``
@@ -85,6 +86,17 @@ def _columnwise(t: Float8BlockwiseQTensor, data_t: torch.Tensor, scale_t: torch.
                                   columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
 
 
+def _quantized_grad(grad_out: torch.Tensor, args) -> Float8BlockwiseQTensor:
+    """The output gradient quantized 1x128 by ``args`` (the GRAD role's), or as it arrives when it arrives so
+    quantized (rowwise 1x128 with power-of-two scales, which the wgrad's scaling-aware transpose shifts), e.g.
+    from ``moe_unpermute(grad_quantize=...)``; another FP8 gradient is dequantized and quantized again."""
+    if isinstance(grad_out, Float8BlockwiseQTensor):
+        if grad_out.rowwise_data is not None and not grad_out.is_2D_scaled and grad_out.force_pow_2_scales:
+            return grad_out
+        grad_out = grad_out.dequantize(grad_out.dtype)
+    return quantize_in_function(grad_out.contiguous(), args)
+
+
 _PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
 
 
@@ -134,7 +146,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             raise RuntimeError("GroupedLinear's backward ran twice through one graph: it drops its FP8 weights "
                                "after the dgrad GEMM (as TransformerEngine frees its FP8 tensors in backward), so "
                                "backward with retain_graph=True a second time is not supported")
-        dy = quantize_in_function(grad_out.contiguous(), module.quantizers[Role.GRAD].args)
+        dy = _quantized_grad(grad_out, module.quantizers[Role.GRAD].args)
         dgrad = None
         if ctx.needs_input_grad[0]:
             weight_t = transpose_grouped_weight(weight, backend=module.weight_backend) \
@@ -175,7 +187,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if ctx.has_bias:
             rows = row_groups(m_splits, grad_out.shape[0], grad_out.device)
             dbias = torch.zeros((module.num_gemms + 1, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
-            dbias = dbias.index_add_(0, rows, grad_out.float())[:-1].to(module.bias_dtype)  # row G: weightless
+            g = grad_out.dequantize() if isinstance(grad_out, Float8BlockwiseQTensor) else grad_out.float()
+            dbias = dbias.index_add_(0, rows, g)[:-1].to(module.bias_dtype)  # row G: weightless
         return (dgrad, None, None, None, None, dbias, *dweights)
 
 

@@ -7,8 +7,10 @@ router stays outside, as in Megatron. Phases (methods named after them, so recom
 1. ``quantize``: the tokens once, 1x128 E4M3 with power-of-two scales (cast 1 of 2);
 2. ``dispatch``: FP8 rows + scales + top-k ids + probs to the experts' ranks;
 3. ``experts``: permute+pad (FP8 rows, scales, probs) -> fc1 ``GroupedLinear`` on the FP8 tensor ->
-   weighted SwiGLU + quantization (the router prob is applied here) -> fc2 on that FP8 tensor
-   -> unpermute+unpad (BF16, cast 2 of 2: fc2's output);
+   weighted SwiGLU + quantization (the router prob is applied here; its backward quantizes fc1's output
+   gradient in the same pass) -> fc2 on that FP8 tensor
+   -> unpermute+unpad (BF16, cast 2 of 2: fc2's output; its backward quantizes the output gradient per token
+   and permutes FP8 rows to fc2);
 4. ``combine``: BF16 sum back to the tokens' positions.
 
 The block does FP8-Flow only; the BF16 and blockwise-FP8-with-casts blocks that benchmarks and tests
@@ -156,7 +158,16 @@ class FP8FlowMoE(nn.Module):
         ``tokens_per_expert`` (host list, or device tensor: ``_permute``) -> ``[R, H]`` BF16 (each token's
         prob-weighted sum over local experts)."""
         y, row_id_map, pad_offsets = self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
-        return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets)
+        return self._unpermute(y, row_id_map, pad_offsets)
+
+    def _unpermute(self, y: torch.Tensor, row_id_map: torch.Tensor, pad_offsets) -> torch.Tensor:
+        """unpermute+unpad of fc2's output ``y``, whose backward hands fc2 its output gradient quantized already:
+        each token's gradient row quantized once (fc2's GRAD quantizer) and its FP8 copies permuted, bitwise what
+        fc2 would quantize after a BF16 permute (``moe_unpermute(grad_quantize=...)``; with a nonzero
+        ``amax_epsilon`` the padding rows' scales would differ: BF16 then)."""
+        args = self.linear_fc2.quantizers[Role.GRAD].args
+        return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets,
+                             grad_quantize=None if args.amax_epsilon else args)
 
     def _mlp(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, rerun: bool = False):
         """``experts`` up to fc2: -> ``(y [M, H] BF16 in the permuted, padded layout, row_id_map, pad_offsets)``.
@@ -164,7 +175,8 @@ class FP8FlowMoE(nn.Module):
         transpose and runs no GEMM (``GroupedLinear.recompute_saved_input``); returns None."""
         x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert)
         h = self.linear_fc1(x, padded, is_first_microbatch)
-        act = weighted_swiglu_quant(h, probs, self.recipe)
+        # its backward hands fc1 the gradient quantized: bitwise what fc1 quantizes (amax_epsilon 0, as the kernel's)
+        act = weighted_swiglu_quant(h, probs, self.recipe, quantize_grad=not self.recipe.amax_epsilon)
         if rerun:
             self.linear_fc2.recompute_saved_input(act, padded)
             return None
@@ -193,7 +205,7 @@ class FP8FlowMoE(nn.Module):
                 use_reentrant=False, preserve_rng_state=False)
         finally:  # weights prefetched for a call that raised are never used later
             self.drop_prefetched_fp8_weights()
-        return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets)
+        return self._unpermute(y, row_id_map, pad_offsets)
 
     def _rerunnable_mlp(self, tokens_per_expert, is_first_microbatch):
         """``_mlp`` as the ``moe_expert`` checkpoint runs it: the first call computes, later ones are reruns."""

@@ -8,10 +8,9 @@ each, same signatures):
 - ``"deepgemm"`` (``kernels/grouped_gemm_deepgemm.py``, optional): DeepGEMM's grouped
   kernels, one launch per GEMM. E4M3 only, groups of multiples of 128 rows; fprop/dgrad
   take host or device splits (no host sync), wgrad needs host splits.
-- ``"cublas"``: one cuBLAS GEMM per non-empty expert (``torch._scaled_mm`` for fprop/dgrad, cuBLASLt
-  itself for wgrad, which it adds into ``main_grad`` in place); host ``m_splits``, fprop/dgrad
-  reductions in multiples of 512, wgrad groups of multiples of 128 rows,
-  see ``kernels/grouped_gemm_cublas.py``.
+- ``"cublas"``: one cuBLASLt GEMM per non-empty expert (``kernels/cublaslt.py``; wgrads added into
+  ``main_grad`` in place); host ``m_splits``, fprop/dgrad groups of multiples of 16 rows (any reduction
+  dim), wgrad groups of multiples of 128 rows, see ``kernels/grouped_gemm_cublas.py``.
 - ``"triton"``: one launch per GEMM over all experts; group sizes read on the
   device (``m_splits`` may be a device tensor: no host sync, CUDA-graph safe); any sizes.
 
@@ -20,7 +19,8 @@ has experts): fprop/dgrad write zeros there without computing them, wgrad (``num
 reads those rows. ``FP8FlowMoE(device_splits=True)`` puts its worst-case buffer's slack there.
 - ``"reference"``: plain PyTorch in float32 (the oracle, and the CPU path).
 - ``"auto"``: on the GPU, the first of ``AUTO_ORDER`` that can run the call (and, for
-  cuBLAS, only experts large enough: ``cublas_pays``); the reference on CPU.
+  cuBLAS, only experts large enough: ``cublas_pays``); the reference on CPU. The one place this is
+  decided: ``auto_backend`` on a ``GemmCall`` (the kernels' modules say only what they can run).
   The order was measured (docs/grouped_gemm.md, ``benchmarks/bench_grouped_gemm.py``): DeepGEMM
   for fprop/dgrad, cuBLAS for wgrads (written in BF16 or float32, or added into ``main_grad``).
 
@@ -35,6 +35,7 @@ Alignment: K and N multiples of 128 (the weights' 128x128 blocks).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Sequence, Union
 
 import torch
@@ -76,58 +77,90 @@ def cublas_pays(kind: str, m_splits: list, weight_elements: int) -> bool:
     return total >= rows * len(m_splits) and total * weight_elements >= rows * CUBLAS_MIN_WEIGHT * len(m_splits)
 
 
-def _why_not(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reduction: int,
-             out_dtype: torch.dtype, wgrad: bool, out_list: bool = False) -> Optional[str]:
-    """None if GPU ``backend`` can run this call, else the reason it cannot."""
+@dataclasses.dataclass(frozen=True)
+class GemmCall:
+    """What decides the backend of one grouped GEMM call (``why_not``, ``auto_backend``), as plain values: the rule
+    runs, and is tested, without a GPU. ``kind``: an ``AUTO_ORDER`` key ("fprop" for fprop and dgrad, "wgrad"
+    written, "wgrad_accumulate" added into float32 ``out``); the operands' FP8 dtypes (the first: X, dY or dY^T);
+    ``m_splits`` (host list or device tensor); the output dtype; ``weight_elements``: N x K of one expert's weight
+    (``cublas_pays``); ``out_list``: a wgrad's ``out`` is G separate tensors; ``cuda``: the operands are on a GPU,
+    where ``deepgemm`` (importable, Hopper) and ``cublaslt`` (>= 12.9, Hopper) can run or not."""
+
+    kind: str
+    a_dtype: torch.dtype
+    b_dtype: torch.dtype
+    m_splits: MSplits
+    out_dtype: torch.dtype
+    weight_elements: int = 0
+    out_list: bool = False
+    cuda: bool = True
+    deepgemm: bool = False
+    cublaslt: bool = False
+
+    @classmethod
+    def of(cls, kind: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, out_dtype: torch.dtype,
+           weight_elements: int = 0, out_list: bool = False) -> "GemmCall":
+        """The call on ``a`` (the first operand's FP8 data) and its device."""
+        return cls(kind, a.dtype, b_dtype, m_splits, out_dtype, weight_elements, out_list, a.is_cuda,
+                   a.is_cuda and deepgemm.available(a.device), a.is_cuda and cublaslt.available(a.device))
+
+
+def why_not(backend: str, call: GemmCall) -> Optional[str]:
+    """None if GPU ``backend`` can run ``call``, else the reason it cannot."""
     if backend not in IMPLEMENTATIONS:
         return "it needs Triton installed"
     if backend == "triton":
         return None
-    if not a.is_cuda:
+    if not call.cuda:
         return "it needs CUDA tensors"
+    wgrad = call.kind != "fprop"
     if backend == "deepgemm":
-        if not deepgemm.available(a.device):
+        if not call.deepgemm:
             return "DeepGEMM is not installed or the GPU is not a Hopper (SM90)"
-        if out_list:
+        if call.out_list:
             return "it writes one float32 [G, N, K] buffer, and out is G separate tensors"
-        ok = (deepgemm.supports_wgrad(a.dtype, b_dtype, m_splits) if wgrad
-              else deepgemm.supports(a.dtype, b_dtype, m_splits, out_dtype))
+        ok = (deepgemm.supports_wgrad(call.a_dtype, call.b_dtype, call.m_splits) if wgrad
+              else deepgemm.supports(call.a_dtype, call.b_dtype, call.m_splits, call.out_dtype))
         return None if ok else (
             f"it needs E4M3 operands{'' if wgrad else ', BF16 output'}, and groups of multiples of "
             f"{deepgemm.alignment()} rows{' as a host list' if wgrad else ''}")
+    if not call.cublaslt:
+        return "it needs a Hopper (SM90) GPU and cuBLASLt >= 12.9 (blockwise scales) in the process"
     if wgrad:
-        if not cublaslt.available(a.device):
-            return "its wgrad needs a Hopper (SM90) GPU and cuBLASLt >= 12.9 (1x128 scales) in the process"
-        return None if cublas.supports_wgrad(a.dtype, b_dtype, m_splits) else (
+        return None if cublas.supports_wgrad(call.a_dtype, call.b_dtype, call.m_splits) else (
             "it needs m_splits as a host list, every group a multiple of 128 rows, and not both operands E5M2")
-    return None if cublas.supports(reduction, m_splits) else (
-        f"it needs m_splits as a host list and a reduction dim multiple of 512 (got {reduction}) (torch 2.11's "
-        "cuBLAS blockwise GEMM is silently wrong otherwise)")
+    return None if cublas.supports(call.a_dtype, call.b_dtype, call.m_splits, call.out_dtype) else (
+        f"it needs m_splits as a host list, every group a multiple of {cublas.ROW_ALIGNMENT} rows, BF16 or "
+        f"float32 output (got {call.out_dtype}), and not both operands E5M2")
 
 
-def _impl(backend: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, reduction: int, out_dtype,
-          op: str, wgrad: bool = False, weight_elements: int = 0, accumulate: bool = False,
-          out_list: bool = False) -> Implementation:
-    """The implementation running ``op`` (``a``: the first operand's FP8 data; ``weight_elements``: N x K of
-    one expert's weight, for ``cublas_pays``; ``accumulate``: a wgrad added into its float32 ``out``;
-    ``out_list``: that ``out`` is G separate tensors)."""
+def auto_backend(call: GemmCall) -> Optional[str]:
+    """The backend ``"auto"`` runs ``call`` on: on the GPU the first of ``AUTO_ORDER[call.kind]`` that can run it,
+    cuBLAS only where ``cublas_pays``; None where none can (the reference off the GPU)."""
+    if not call.cuda:
+        return None
+    for name in AUTO_ORDER[call.kind]:
+        if name == "cublas" and isinstance(call.m_splits, list) and not cublas_pays(call.kind, call.m_splits,
+                                                                                     call.weight_elements):
+            continue
+        if why_not(name, call) is None:
+            return name
+    return None
+
+
+def _impl(backend: str, call: GemmCall, a: torch.Tensor, op: str) -> Implementation:
+    """The implementation running ``op`` (``call`` on the operands, ``a`` the first one's FP8 data)."""
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"{op}: backend must be one of {GEMM_BACKENDS}, got {backend!r}")
     if backend in ("deepgemm", "cublas"):
         if backend == "deepgemm" and deepgemm._module() is None:
             raise deepgemm.import_error()
-        why = _why_not(backend, a, b_dtype, m_splits, reduction, out_dtype, wgrad, out_list)
+        why = why_not(backend, call)
         if why:
             raise ValueError(f"{op}: backend={backend!r} cannot run this call: {why}; use 'auto' or 'triton'")
         return IMPLEMENTATIONS[backend]
-    if backend == "auto" and a.is_cuda:
-        kind = ("wgrad_accumulate" if accumulate else "wgrad") if wgrad else "fprop"
-        for name in AUTO_ORDER[kind]:
-            if name == "cublas" and isinstance(m_splits, list) and not cublas_pays(kind, m_splits, weight_elements):
-                continue
-            if _why_not(name, a, b_dtype, m_splits, reduction, out_dtype, wgrad, out_list) is None:
-                return IMPLEMENTATIONS[name]
-    return implementation(backend, a, op)
+    name = auto_backend(call) if backend == "auto" else None
+    return IMPLEMENTATIONS[name] if name else implementation(backend, a, op)
 
 
 def _check_act(t, name: str, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,8 +219,8 @@ def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"out_dtype must be bf16/fp16/fp32, got {out_dtype}")
     m_splits, _ = _check_splits(m_splits, inp.shape[0], weight.shape[0], a.device)
-    impl = _impl(backend, a, b.dtype, m_splits, inp.shape[1], out_dtype, "grouped_gemm",
-                 weight_elements=weight.shape[1] * weight.shape[2])
+    call = GemmCall.of("fprop", a, b.dtype, m_splits, out_dtype, weight_elements=weight.shape[1] * weight.shape[2])
+    impl = _impl(backend, call, a, "grouped_gemm")
     return impl.grouped_gemm(a, a_scale, b, b_scale, m_splits, out_dtype)
 
 
@@ -262,8 +295,9 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
         raise ValueError("accumulate=True needs out (the main_grad buffer)")
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
-    impl = _impl(backend, a, b.dtype, m_splits, 0, out_dtype if out is None else torch.float32,
-                 "grouped_gemm_wgrad", wgrad=True, weight_elements=shape[1] * shape[2], accumulate=accumulate,
-                 out_list=isinstance(out, list))
+    call = GemmCall.of("wgrad_accumulate" if accumulate else "wgrad", a, b.dtype, m_splits,
+                       out_dtype if out is None else torch.float32, weight_elements=shape[1] * shape[2],
+                       out_list=isinstance(out, list))
+    impl = _impl(backend, call, a, "grouped_gemm_wgrad")
     result = impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, out_dtype)
     return result if given is None else given

@@ -20,6 +20,7 @@ from ..backend import Implementation, implementation
 from ..layout import check_on_device, m_splits_tensor
 from ..recipe import HIGH_PRECISION_DTYPES
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
+from .quantize import QuantizeArgs, quantize_in_function
 
 
 def _check_inp(inp, name="inp") -> torch.Tensor:
@@ -155,22 +156,31 @@ class _Permute(torch.autograd.Function):
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, merging_probs, row_id_map, pad_offsets, impl: Implementation):
+    def forward(ctx, inp, merging_probs, row_id_map, pad_offsets, impl: Implementation,
+                grad_quantize: Optional[QuantizeArgs]):
         out = impl.unpermute(inp, row_id_map, merging_probs, pad_offsets)
         ctx.save_for_backward(inp if merging_probs is not None else None, merging_probs, row_id_map, pad_offsets)
-        ctx.impl, ctx.capacity = impl, inp.shape[0]
+        ctx.impl, ctx.capacity, ctx.grad_quantize = impl, inp.shape[0], grad_quantize
         return out
 
     @staticmethod
     def backward(ctx, grad):
         inp, merging_probs, row_id_map, pad_offsets = ctx.saved_tensors
         grad = grad.contiguous()
-        impl = ctx.impl
+        impl, args = ctx.impl, ctx.grad_quantize
+        if merging_probs is None and args is not None:  # each token's row quantized once, its FP8 copies permuted
+            q = quantize_in_function(grad, args)
+            data, _, scale = impl.permute(q.rowwise_data, row_id_map, ctx.capacity, pad_offsets, None,
+                                          q.rowwise_scale_inv)
+            dinp = Float8BlockwiseQTensor(shape=data.shape, dtype=grad.dtype, fp8_dtype=args.fp8_dtype,
+                                          force_pow_2_scales=args.force_pow_2_scales, rowwise_data=data,
+                                          rowwise_scale_inv=scale)
+            return dinp, None, None, None, None, None
         if merging_probs is None:
             dinp, _, _ = impl.permute(grad, row_id_map, ctx.capacity, pad_offsets, None, None)
-            return dinp, None, None, None, None
+            return dinp, None, None, None, None, None
         dinp, dprobs = impl.unpermute_backward(grad, inp, row_id_map, merging_probs, ctx.capacity, pad_offsets)
-        return dinp, dprobs.to(merging_probs.dtype), None, None, None
+        return dinp, dprobs.to(merging_probs.dtype), None, None, None, None
 
 
 class _MapRecord(NamedTuple):
@@ -335,6 +345,7 @@ def moe_unpermute(
     probs: Optional[torch.Tensor] = None,
     pad_offsets: Optional[torch.Tensor] = None,
     *,
+    grad_quantize: Optional[QuantizeArgs] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Merge expert outputs back per token: ``out[t] = sum_e merging_probs[t, e] * inp[row(t, e)]``.
@@ -345,6 +356,13 @@ def moe_unpermute(
     Float32 accumulation in ascending expert order, one cast to ``inp``'s dtype.
     Returns ``[T, H]``, or ``restore_shape``. TransformerEngine's signature: ``map_type``
     must be ``'mask'``; ``probs`` is its deprecated name of ``merging_probs`` (a warning).
+
+    ``grad_quantize`` (no ``merging_probs``): 1x128 rowwise ``QuantizeArgs`` with ``amax_epsilon`` 0 (e.g. the
+    consuming ``GroupedLinear``'s ``quantizers[Role.GRAD].args``): backward quantizes the incoming gradient once
+    per token (``[T, H]``) and permutes the FP8 rows and scales, so ``inp``'s gradient is a rowwise 1x128
+    Float8BlockwiseQTensor, bit for bit the quantization of the BF16 gradient it is otherwise (a 1x128 block lies
+    within a row; padding rows are zero with scale_inv 1 both ways): 1/topk of the rows quantized and one byte
+    per element permuted instead of two, written and read again.
     """
     _check_map_type(map_type, "moe_unpermute")
     if probs is not None:
@@ -383,9 +401,23 @@ def moe_unpermute(
             "(without them each token's rows are read from pre-padding positions, i.e. other tokens' rows)")
     if not _same_call(rec, pad_offsets, inp.shape[0]):  # a map from elsewhere, or used on other rows
         _check_map_rows(row_id_map, pad_offsets, inp.shape[0], "moe_unpermute")
+    _check_grad_quantize(grad_quantize, merging_probs)
     impl = implementation(backend, inp, "moe_unpermute")
-    out = _Unpermute.apply(inp.contiguous(), merging_probs, row_id_map, pad_offsets, impl)
+    out = _Unpermute.apply(inp.contiguous(), merging_probs, row_id_map, pad_offsets, impl, grad_quantize)
     return out.view(restore_shape) if restore_shape is not None else out
+
+
+def _check_grad_quantize(args, merging_probs) -> None:
+    if args is None:
+        return
+    if not isinstance(args, QuantizeArgs):
+        raise TypeError(f"grad_quantize must be None or QuantizeArgs (a quantizer's .args), got {type(args).__name__}")
+    if args.block.is_2D or not args.rowwise or args.columnwise or args.amax_epsilon:
+        raise ValueError(f"grad_quantize must be 1x128 rowwise only with amax_epsilon 0 (then the permuted FP8 rows "
+                         f"are bitwise the quantized permuted gradient), got {args}")
+    if merging_probs is not None:
+        raise ValueError("grad_quantize needs merging_probs None: with merging probs each row's gradient is the "
+                         "token's scaled by its expert's prob, not a copy of the token's")
 
 
 def topk_to_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):

@@ -60,7 +60,8 @@ def weighted_swiglu_quant(
         recipe: FP8FlowRecipe (default ``FP8FlowRecipe()``): y in its INPUT dtype, the
             gradient (if quantized) in its GRAD dtype, power-of-two scales or not.
         quantize_grad: return ``dx`` as a rowwise 1x128 Float8BlockwiseQTensor (for fc1's
-            dgrad GEMM) instead of ``x``'s dtype.
+            dgrad GEMM) instead of ``x``'s dtype: bitwise ``quantize_blockwise`` (amax_epsilon 0) of
+            the dx it returns otherwise, without writing and reading that dx.
         backend: ``"auto"``, ``"triton"`` or ``"reference"``.
 
     Non-finite values propagate: NaN stays NaN, +-inf becomes a non-finite FP8 code (never

@@ -70,9 +70,9 @@ def weighted_swiglu_backward(dy: torch.Tensor, x: torch.Tensor, probs: Optional[
                              grad_fp8_dtype: Optional[torch.dtype] = None, force_pow_2_scales: bool = True):
     """As the kernel: ``dy [M, F]``, ``x [M, 2F]``, ``probs [M]`` or None -> ``(dx, dx_scale_inv, dprobs)``:
     ``dx [M, 2F]`` in ``x``'s dtype (``dx_scale_inv`` None), or FP8 1x128 in ``grad_fp8_dtype`` with
-    ``[M, 2F/128]`` scales (``quantize_1x128`` of ``weighted_swiglu_grad``'s float32 ``dx``); dprobs
-    float32 ``[M]`` or None."""
+    ``[M, 2F/128]`` scales (``quantize_1x128`` of that dx in ``x``'s dtype: bitwise what quantizing the
+    unquantized backward's output gives); dprobs float32 ``[M]`` or None."""
     dx, dprobs = weighted_swiglu_grad(dy, x, probs)
     if grad_fp8_dtype is None:
         return dx.to(x.dtype), None, dprobs
-    return (*quantize_1x128(dx, grad_fp8_dtype, force_pow_2_scales), dprobs)
+    return (*quantize_1x128(dx.to(x.dtype), grad_fp8_dtype, force_pow_2_scales), dprobs)
