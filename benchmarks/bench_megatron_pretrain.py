@@ -239,12 +239,18 @@ def run(cmd: list[str], timeout: float, extra_env: Optional[dict] = None) -> tup
 
 
 def gpu_facts() -> dict:
-    """GPU 0's name and memory from ``nvidia-smi``: this process launches the runs and must hold no CUDA context
-    (hundreds of MiB) on their GPU, which torch's device queries would create."""
-    out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits", "-i", "0"],
-                         capture_output=True, text=True, check=True).stdout
-    name, mib = out.strip().splitlines()[0].rsplit(",", 1)
-    return {"device": name.strip(), "gpu_memory_mib": int(mib)}
+    """GPU 0's name and memory from ``nvidia-smi``: this process launches the runs and should hold no CUDA context
+    (hundreds of MiB) on their GPU, which torch's device queries create. Without ``nvidia-smi``, torch's (the
+    context then stays; ``gpu_facts`` says so)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits", "-i",
+                              "0"], capture_output=True, text=True, check=True).stdout
+        name, mib = out.strip().splitlines()[0].rsplit(",", 1)
+        return {"device": name.strip(), "gpu_memory_mib": int(mib)}
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        props = torch.cuda.get_device_properties(0)
+        return {"device": props.name, "gpu_memory_mib": props.total_memory // 2**20,
+                "gpu_facts": "from torch: nvidia-smi failed; this process holds a CUDA context beside the runs"}
 
 
 def transformer_engine_version() -> Optional[str]:

@@ -285,6 +285,17 @@ def test_gpu_facts_read_nvidia_smi(monkeypatch):
     monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: Done())
     assert bench.gpu_facts() == {"device": "NVIDIA H100 80GB HBM3", "gpu_memory_mib": 81559}
 
+    class Props:
+        name, total_memory = "NVIDIA H200", 143771 * 2**20
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(bench.subprocess, "run", missing)
+    monkeypatch.setattr(bench.torch.cuda, "get_device_properties", lambda i: Props())
+    facts = bench.gpu_facts()
+    assert (facts["device"], facts["gpu_memory_mib"]) == ("NVIDIA H200", 143771) and "CUDA context" in facts["gpu_facts"]
+
 
 def test_plot_draws_speed_activation_and_micro_batch_panels(tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
