@@ -302,8 +302,7 @@ def main(argv=None):
                path="TransformerEngine (--transformer-impl transformer_engine)" if te else
                "local (--transformer-impl local) with the torch SDPA core attention",
                apex_wgrad_fusion=apex_wgrad_fusion(), deep_gemm="importable" if _importable("deep_gemm") else "absent")
-    name = f"bench_megatron_pretrain_{args.config}_ep{gpus}"
-    stored = utils.RESULTS_DIR / f"{name}.json"
+    stored = utils.RESULTS_DIR / f"bench_megatron_pretrain_{args.config}_ep{gpus}.json"
     kept = json.loads(stored.read_text())["results"] if stored.exists() else []
     rows = {(r["config"], r["variant"]): r for r in kept}
     runs = {variant: [] for variant in args.variants}
@@ -328,13 +327,13 @@ def main(argv=None):
                                                          "max_micro_batch", "error")}, flush=True)
         runs[variant].append(row)
         rows[args.config, variant] = combine(runs[variant])
-        path = write(name, list(rows.values()), env)  # after every run: a call cut short keeps the runs done
+        path = write(args.config, list(rows.values()), env)  # after every run: a call cut short keeps the runs done
     print(path.read_text() if path else "no run started")
 
 
-def write(name: str, rows: list[dict], env: dict) -> pathlib.Path:
-    """``rows`` -> ``{name}`` .json / .md / .png under benchmarks/results, each row with its tokens/s against
-    the stand-in's of its config (``vs_bf16_grouped_mm``); the .md path."""
+def write(config: str, rows: list[dict], env: dict) -> pathlib.Path:
+    """``rows`` -> ``bench_megatron_pretrain_{config}_ep{GPUs}`` .json / .md / .png under benchmarks/results,
+    each row with its tokens/s against the stand-in's of its config (``vs_bf16_grouped_mm``); the .md path."""
     stand_in = {r["config"]: r.get("tokens_per_s_per_gpu") for r in rows if r["variant"] == "bf16_grouped_mm"}
     for r in rows:
         base = stand_in.get(r["config"])
@@ -359,7 +358,8 @@ def write(name: str, rows: list[dict], env: dict) -> pathlib.Path:
         "doubling from `micro_batch_size` then bisection, capped (`max_micro_batch_capped`: the cap trained). "
         "`attention`, `optimizer`, `grad_accumulation`: what the run reported it ran. Commands: the `command` "
         "field of each row in the JSON; docs/megatron.md.")
-    path = utils.write_results(name, f"Megatron pretrain at EP={env['gpus']}: BF16 grouped stand-in vs FP8-Flow",
+    path = utils.write_results(f"bench_megatron_pretrain_{config}_ep{env['gpus']}",
+                               f"Megatron pretrain at EP={env['gpus']}: BF16 grouped stand-in vs FP8-Flow",
                                env, {}, rows, columns, notes=notes,
                                formats={"vs_bf16_grouped_mm": ".3f", "tokens_per_s_spread": ".1%"})
     plot(rows, path.with_suffix(".png"))
