@@ -1,45 +1,52 @@
-"""Megatron's own ``pretrain`` (megatron-core 0.19.x, ``megatron.training``) on all GPUs of the machine,
-expert parallelism = GPU count: BF16 experts against FP8-Flow, on DeepSeek-shaped MoE models.
+"""Megatron's own ``pretrain`` (megatron-core 0.19.x) at production proportions: the BF16 grouped-GEMM stand-in
+against FP8-Flow, tokens/s and memory, on every GPU of the machine (expert parallelism = GPU count).
 
-Configurations (``CONFIGS``; mock data, ``--moe-grouped-gemm``, top-8, every layer MoE, sequence 4096):
-- ``deepseek_small``: 4 layers, hidden 2048, 64 experts of ffn 1024 (the issue-16 model);
-- ``deepseek_v3_slice``: DeepSeek-V3's MoE shapes, hidden 7168, 256 experts of ffn 2048, as many layers as
-  fit (1 up to 4 GPUs, 2 on 8: each rank keeps its experts' Adam state, 18 bytes per parameter); on one GPU
-  64 experts, what one rank holds at EP=4 (256 do not fit one GPU), with the same 512 rows per expert.
-Runs (``VARIANTS``):
-- ``megatron_bf16``: Megatron's BF16 experts; without TransformerEngine these are ``SequentialMLP`` (a
-  per-expert loop), with Megatron's all-to-all dispatcher;
-- ``bf16_grouped_mm``: the BF16 grouped-GEMM stand-in for TE's ``TEGroupedMLP`` (``megatron_grouped_mm.py``:
-  Megatron's MoELayer and dispatcher, experts as two ``torch._grouped_mm`` on stacked weights);
-- ``fp8_flow_alltoall`` / ``fp8_flow_deepep``: FP8-Flow with ``--moe-token-dispatcher-type alltoall`` /
-  ``flex`` (DeepEP when ``deep_ep`` imports, else all-to-all with a warning: the environment says which);
-- ``fp8_flow_alltoall_moe_expert`` / ``fp8_flow_deepep_moe_expert``: the same with ``moe_expert`` recompute;
-- ``fp8_flow_alltoall_single_weight`` / ``fp8_flow_deepep_single_weight`` (and ``..._moe_expert``): one weight
-  parameter per expert GEMM (``--moe-fp8-flow-single-grouped-weight``) instead of one per expert;
-- ``megatron_bf16_seed_control``: ``megatron_bf16`` with the next seed (how far runs land from initialisation).
-All runs with one seed start from the same experts (FP8-Flow and the stand-in draw them as Megatron does).
+Configurations (``megatron_configs.CONFIGS``; mock data, sequence 4096, every layer MoE, top-8, RMSNorm, RoPE,
+QK layernorm, no dropout, tied embeddings of a 32768 vocabulary, router in FP32):
+- ``qwen3_moe_like``: Qwen3-30B-A3B's layer: hidden 2048, 32 query heads in 4 KV groups of 128 channels,
+  128 experts of ffn 768; micro-batch 4 sequences (16384 tokens: 1024 rows per expert at EP=1, the block
+  benchmark's shape);
+- ``dsv3_ep8_rank``: what one rank of DeepSeek-V3 at EP=8 holds: hidden 7168, multi-latent attention with V3's
+  ranks (q_lora 1536, kv_lora 512, 128 heads, qk 128 + rope 64, v 128), one shared expert of ffn 2048 and 32
+  routed experts of ffn 2048 per GPU (256 at EP=8); micro-batch 1 sequence (4096 tokens: 1024 rows per expert,
+  what an EP=8 rank of the 256-expert model receives).
+Layers: as many as fit the GPU (``megatron_configs.layers_that_fit``, at least the config's minimum;
+``--num-layers`` overrides).
 
-Each iteration is ``MICRO_BATCHES`` micro-batches of one sequence per GPU (gradient accumulation, as a
-pretraining step is): with one micro-batch the Adam step over every expert parameter would dominate (39 of
-112 ms per iteration of the BF16 grouped run of ``deepseek_small`` on one H200), and the FP8 weights, quantized
-on a step's first micro-batch, would never be reused.
+Runs (``VARIANTS``; ``MAIN_VARIANTS`` by default):
+- ``bf16_grouped_mm``: the stand-in for TE's ``TEGroupedMLP``: Megatron's MoELayer, router and all-to-all
+  dispatcher with experts as two ``torch._grouped_mm`` (``megatron_grouped_mm.py``);
+- ``fp8_flow`` (per-expert weights), ``fp8_flow_single_weight`` (one ``[E, N, K]`` weight per GEMM), each also
+  with ``moe_expert`` recompute (``..._moe_expert``): FP8-Flow experts, the rest of the model BF16;
+- with TransformerEngine installed: ``te_bf16`` (Megatron's ``TEGroupedMLP``), ``te_blockwise`` (TE's blockwise
+  FP8 everywhere, ``--fp8-format e4m3 --fp8-recipe blockwise``) and ``fp8_flow_single_weight_te_blockwise``
+  (FP8-Flow experts, TE's blockwise FP8 for the dense layers).
+Attention: with TransformerEngine every run is ``--transformer-impl transformer_engine`` (TE's attention, norms
+and linears); without it every run is ``--transformer-impl local`` with the torch SDPA core
+(``sdpa_attention.py``) in place of Megatron's unfused one. At EP=1 ``--moe-token-dispatcher-type alltoall``
+is Megatron's dispatcher permuting locally for the stand-in, and FP8-Flow runs its local dispatcher (no
+collectives); the flag is FP8-Flow's required one.
 
-Per run: tokens/s per GPU (global batch x sequence / mean iteration time after the warm-up / GPUs), max
-allocated memory (Megatron's memory report, MiB), final loss (mean of the last quarter of logged losses),
-the log's ``experts:`` line (which GEMM backends ran). ``--repeats R`` runs the variants R times, interleaved
-(v1, v2, ..., v1, v2, ...), and each row gives the median tokens/s and iteration time of its runs with their
-spread: on one machine the same run varied by +-7% between calls (docs/megatron.md), more than the expert
-kernels move these iterations. Each run is one ``torchrun`` bounded by
-``--run-timeout`` (killed with its workers, reported as timed out); results accumulate in
-``benchmarks/results/bench_megatron_pretrain_ep{N}.json`` / ``.md`` across invocations, written after every
-run, so the runs can be spread over several calls:
+Each iteration accumulates ``--micro-batches`` (32) micro-batches per GPU before one optimizer step, as
+pretraining does; ``--train-iters`` (3) iterations, the first untimed, every iteration logged. Per run, from
+Megatron's log and the ``bench:`` lines of ``megatron_bench_entry.py``: tokens/s per GPU, max allocated memory,
+which optimizer, gradient-accumulation path and attention ran, TransformerEngine's version. The first run of
+each variant also probes memory (``megatron_memory_probes``: ``activation_mib_per_moe_layer``,
+``step_activation_peak_mib``) and, for the variants marked ``search``, ``max_micro_batch`` after its timed
+iterations; the other repeats run without probes. ``--repeats`` (3) runs the variants interleaved; each row
+gives the median tokens/s with its spread. Each run is one ``torchrun`` bounded by ``--run-timeout``;
+``--time-budget`` stops starting runs when the next might not finish in it. Results go to
+``benchmarks/results/bench_megatron_pretrain_{config}_ep{GPUs}.json`` / ``.md`` / ``.png`` after every run:
 
-    python benchmarks/bench_megatron_pretrain.py --config deepseek_small --variants megatron_bf16 fp8_flow_alltoall
+    python benchmarks/bench_megatron_pretrain.py --config qwen3_moe_like --repeats 3 --time-budget 530
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import importlib.metadata
+import importlib.util
 import json
 import os
 import pathlib
@@ -54,80 +61,108 @@ from typing import Optional
 import torch
 
 import utils
+from megatron_configs import CONFIGS, SEQ, layers_that_fit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMMON = ("--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion "
-          "--no-masked-softmax-fusion --no-bias-dropout-fusion --no-bias-swiglu-fusion --bf16 --swiglu "
-          "--disable-bias-linear --moe-grouped-gemm --moe-router-topk 8 --moe-aux-loss-coeff 1e-3 "
-          "--seq-length 4096 --max-position-embeddings 4096 --micro-batch-size 1 --lr 1e-4 --min-lr 1e-5 "
-          "--lr-decay-style cosine --lr-warmup-iters 5 --mock-data "
-          "--tokenizer-type NullTokenizer --vocab-size 32767 --log-interval 5 --eval-iters 0 "
-          "--eval-interval 100000").split()  # NullTokenizer's EOD id is --vocab-size: 32768 embeddings hold it
-CONFIGS = {
-    "deepseek_small": "--num-layers 4 --hidden-size 2048 --num-attention-heads 16 --num-experts 64 "
-                      "--moe-ffn-hidden-size 1024",
-    "deepseek_v3_slice": "--hidden-size 7168 --num-attention-heads 56 --moe-ffn-hidden-size 2048",
-}
-FP8_FLOW = "--fp8-format e4m3 --fp8-recipe blockwise --moe-fp8-flow"
+ENTRY = str(ROOT / "benchmarks" / "megatron_bench_entry.py")
+COMMON = ("--bf16 --swiglu --disable-bias-linear --moe-grouped-gemm --moe-router-topk 8 --moe-aux-loss-coeff 1e-3 "
+          "--moe-router-dtype fp32 "
+          "--moe-token-dispatcher-type alltoall --normalization RMSNorm --position-embedding-type rope "
+          f"--qk-layernorm --attention-dropout 0 --hidden-dropout 0 --seq-length {SEQ} --max-position-embeddings "
+          f"{SEQ} --eval-iters 0 --eval-interval 100000 --no-bias-dropout-fusion --no-bias-swiglu-fusion")
+# (the two fusions off: torch.compile'd by Megatron, not TransformerEngine's; with no bias and no dropout they
+# fuse little, and their compilation would add to every run's start)
+MOCK_DATA = "--mock-data --tokenizer-type NullTokenizer --vocab-size 32767"  # EOD id 32767: 32768 embeddings
+SCHEDULE = "--lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 1"
+LOCAL = ("--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion "
+         "--no-masked-softmax-fusion --no-rope-fusion")  # what Megatron needs without TE or Apex
+TE = "--transformer-impl transformer_engine"
+FP8_FLOW = "--moe-fp8-flow --moe-fp8-flow-format e4m3 --fp8-recipe blockwise"  # experts FP8, the rest BF16
 MOE_EXPERT = "--recompute-granularity selective --recompute-modules moe_expert"
 SINGLE_WEIGHT = "--moe-fp8-flow-single-grouped-weight"
-GROUPED_MM = str(ROOT / "benchmarks" / "megatron_grouped_mm.py")
-VARIANTS = {  # name -> (entry: a module for -m or a script path, flags)
-    "megatron_bf16": ("examples.pretrain_gpt", "--moe-token-dispatcher-type alltoall"),
-    "bf16_grouped_mm": (GROUPED_MM, "--moe-token-dispatcher-type alltoall"),
-    "fp8_flow_alltoall": ("examples.pretrain_gpt", f"{FP8_FLOW} --moe-token-dispatcher-type alltoall"),
-    "fp8_flow_deepep": ("examples.pretrain_gpt", f"{FP8_FLOW} --moe-token-dispatcher-type flex"),
-    "fp8_flow_alltoall_moe_expert": ("examples.pretrain_gpt",
-                                     f"{FP8_FLOW} --moe-token-dispatcher-type alltoall {MOE_EXPERT}"),
-    "fp8_flow_deepep_moe_expert": ("examples.pretrain_gpt", f"{FP8_FLOW} --moe-token-dispatcher-type flex {MOE_EXPERT}"),
-    "fp8_flow_alltoall_single_weight": ("examples.pretrain_gpt",
-                                        f"{FP8_FLOW} --moe-token-dispatcher-type alltoall {SINGLE_WEIGHT}"),
-    "fp8_flow_deepep_single_weight": ("examples.pretrain_gpt",
-                                      f"{FP8_FLOW} --moe-token-dispatcher-type flex {SINGLE_WEIGHT}"),
-    "fp8_flow_deepep_single_weight_moe_expert": ("examples.pretrain_gpt", f"{FP8_FLOW} --moe-token-dispatcher-type "
-                                                                          f"flex {SINGLE_WEIGHT} {MOE_EXPERT}"),
-    "megatron_bf16_seed_control": ("examples.pretrain_gpt", "--moe-token-dispatcher-type alltoall"),
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A run's Megatron ``flags``; ``grouped_mm``: the stand-in's experts; ``search``: its probe run also
+    searches the largest micro-batch; ``te``: needs TransformerEngine."""
+
+    flags: str
+    grouped_mm: bool = False
+    search: bool = False
+    te: bool = False
+
+
+VARIANTS = {
+    "bf16_grouped_mm": Variant("", grouped_mm=True, search=True),
+    "fp8_flow": Variant(FP8_FLOW),
+    "fp8_flow_single_weight": Variant(f"{FP8_FLOW} {SINGLE_WEIGHT}", search=True),
+    "fp8_flow_single_weight_moe_expert": Variant(f"{FP8_FLOW} {SINGLE_WEIGHT} {MOE_EXPERT}", search=True),
+    "fp8_flow_moe_expert": Variant(f"{FP8_FLOW} {MOE_EXPERT}", search=True),
+    "te_bf16": Variant("", search=True, te=True),
+    "te_blockwise": Variant("--fp8-format e4m3 --fp8-recipe blockwise", search=True, te=True),
+    "fp8_flow_single_weight_te_blockwise": Variant(f"{FP8_FLOW} {SINGLE_WEIGHT} --fp8-format e4m3", search=True,
+                                                   te=True),
 }
-ALLOCATOR_ENV = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")  # recorded in a row when set
-WARMUP_ITERS = 10  # iterations left out of the timing
-MICRO_BATCHES = 8  # per GPU per iteration
+MAIN_VARIANTS = ["bf16_grouped_mm", "fp8_flow", "fp8_flow_single_weight", "fp8_flow_single_weight_moe_expert"]
+
+
+def apex_wgrad_fusion() -> bool:
+    """Whether Apex's ``fused_weight_gradient_mlp_cuda`` imports: Megatron's own output layer needs it for
+    ``--gradient-accumulation-fusion`` (TransformerEngine fuses its own linears only)."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def command(config: str, variant: str, gpus: int, iters: int, layers: int, micro_batch_size: int,
+            micro_batches: int = 32, seed: int = 1234, probe: bool = False, te: bool = False,
+            data: str = MOCK_DATA, schedule: str = SCHEDULE, log_interval: int = 1, search_cap: int = 64) -> list[str]:
+    """The ``torchrun`` command of one run on ``gpus`` GPUs (EP = ``gpus``) through ``megatron_bench_entry.py``:
+    ``te`` runs TransformerEngine's path, else the local one with the SDPA core; ``probe`` adds the memory
+    probes (and, for a ``search`` variant, the micro-batch search up to ``search_cap``)."""
+    if config not in CONFIGS or variant not in VARIANTS:
+        raise ValueError(f"config must be one of {list(CONFIGS)} and variant one of {list(VARIANTS)}, "
+                         f"got {config!r}, {variant!r}")
+    spec = VARIANTS[variant]
+    if spec.te and not te:
+        raise ValueError(f"variant {variant!r} runs TransformerEngine's path (te=True); TE is not installed")
+    bench = (["--bench-grouped-mm"] if spec.grouped_mm else []) + ([] if te else ["--bench-sdpa-attention"])
+    if probe:
+        bench += ["--bench-probe-memory"] + (["--bench-max-micro-batch-cap", str(search_cap)] if spec.search else [])
+    path = (TE + ("" if apex_wgrad_fusion() else " --no-gradient-accumulation-fusion")) if te else LOCAL
+    return ["torchrun", "--nproc_per_node", str(gpus), "--master_port", str(utils.free_port()), ENTRY, *bench,
+            *COMMON.split(), *path.split(), *data.split(), *schedule.split(), *CONFIGS[config].flags(gpus),
+            *spec.flags.split(), "--num-layers", str(layers), "--micro-batch-size", str(micro_batch_size),
+            "--global-batch-size", str(gpus * micro_batch_size * micro_batches), "--train-iters", str(iters),
+            "--log-interval", str(log_interval), "--expert-model-parallel-size", str(gpus), "--seed", str(seed)]
+
+
+WARMUP_ITERS = 1  # iterations left out of the timing
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+) .*lm loss: ([\d.E+-]+)")
 MEM = re.compile(r"max allocated: ([\d.]+)")
 ALLOCATOR = re.compile(r"allocator \(rank \d+\): retries (\d+), reserved peak ([\d.]+) MiB")  # examples.pretrain_gpt
 ERROR = re.compile(r"^\s*(?:\[rank\d+\]: )?[\w.]*(?:Error|Exception): .*$", re.M)  # an exception's message line
+PROBE_FIELDS = ("activation_mib_per_moe_layer", "activation_mib_moe_layers", "step_activation_peak_mib",
+                "probed_micro_batch", "activation_probe_note", "max_micro_batch", "max_micro_batch_capped",
+                "max_micro_batch_tries", "max_micro_batch_note", "activation_probe_error", "max_micro_batch_error")
 
 
-def v3_layers(gpus: int) -> int:
-    """DeepSeek-V3-slice layers that fit an H200 per rank: 64 local experts of 44M parameters per layer at EP=4."""
-    return 2 if gpus >= 8 else 1
-
-
-def v3_experts(gpus: int) -> int:
-    """DeepSeek-V3-slice experts: V3's 256, or on one GPU the 64 one rank holds at EP=4 (with top-8 and 4096
-    tokens per rank, 512 rows per expert either way)."""
-    return 256 if gpus >= 2 else 64
-
-
-def command(config: str, variant: str, gpus: int, iters: int, seed: int = 1234) -> list[str]:
-    """The ``torchrun`` command of one run on ``gpus`` GPUs (EP = ``gpus``)."""
-    if config not in CONFIGS or variant not in VARIANTS:
-        raise ValueError(f"config must be one of {list(CONFIGS)} and variant one of {list(VARIANTS)}, "
-                         f"got {config!r}, {variant!r}")
-    entry, flags = VARIANTS[variant]
-    v3 = ["--num-layers", str(v3_layers(gpus)), "--num-experts", str(v3_experts(gpus))]
-    model = CONFIGS[config].split() + (v3 if config == "deepseek_v3_slice" else [])
-    launch = [entry] if entry.endswith(".py") else ["-m", entry]
-    # each run's torchrun rendezvous on its own port: a run killed late cannot hold the next one's
-    return ["torchrun", "--nproc_per_node", str(gpus), "--master_port", str(utils.free_port()), *launch, *COMMON,
-            *model, *flags.split(), "--expert-model-parallel-size", str(gpus),
-            "--global-batch-size", str(gpus * MICRO_BATCHES), "--train-iters", str(iters),
-            "--seed", str(seed + 1 if variant == "megatron_bf16_seed_control" else seed)]
+def bench_lines(text: str) -> dict:
+    """The ``bench: {json}`` lines of ``megatron_bench_entry.py``, merged (a line that is not JSON is skipped)."""
+    facts = {}
+    for line in text.splitlines():
+        if line.strip().startswith("bench: "):
+            try:
+                facts.update(json.loads(line.strip()[len("bench: "):]))
+            except json.JSONDecodeError:
+                continue
+    return facts
 
 
 def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
-    """Megatron's iteration and memory log lines -> the run's row (tokens/s per GPU, max allocated MiB,
-    final loss, loss curve), its ``experts:`` line and, when the ranks reported them, the caching allocator's
-    retries and reserved peak (the most of any rank; None without reports)."""
+    """Megatron's iteration and memory log lines -> the run's row (tokens/s per GPU over the iterations after
+    the first ``WARMUP_ITERS``, max allocated MiB, final loss, loss curve), its ``experts:`` line, the caching
+    allocator's retries and reserved peak (the most of any rank; None without reports) and the entry's
+    ``bench:`` facts and probe values."""
     logged = [(int(i), float(ms), float(loss)) for i, ms, loss in ITER.findall(text)]
     if not logged:
         raise ValueError("no 'iteration ... lm loss' lines in the log")
@@ -139,10 +174,11 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
     return dict(alloc_retries=max(r for r, _ in allocator) if allocator else None,
                 reserved_peak_mib=max(m for _, m in allocator) if allocator else None,
                 tokens_per_s_per_gpu=tokens_per_iter / iter_ms * 1e3 / gpus, iter_ms=iter_ms,
+                timed_iters=len(steady),
                 max_allocated_mib=max((float(m) for m in MEM.findall(text)), default=float("nan")),
                 final_loss=sum(loss for *_, loss in tail) / len(tail), curve=[loss for *_, loss in logged],
                 curve_iters=[i for i, *_ in logged],
-                experts=experts[0] if experts else "")
+                experts=experts[0] if experts else "", **bench_lines(text))
 
 
 def outcome(status: str, out: str, tokens_per_iter: int, gpus: int) -> dict:
@@ -165,11 +201,16 @@ def outcome(status: str, out: str, tokens_per_iter: int, gpus: int) -> dict:
 def combine(runs: list[dict]) -> dict:
     """One row from a variant's runs in this invocation: the last run that finished (else the last run), with
     ``tokens_per_s_per_gpu`` and ``iter_ms`` the medians over the runs that finished (None if none did),
-    ``tokens_per_s_runs`` (None for a run that failed), ``repeats`` and ``tokens_per_s_spread`` ((max - min) /
-    median over the finished runs)."""
+    ``tokens_per_s_runs`` (None for a run that failed), ``repeats``, ``tokens_per_s_spread`` ((max - min) /
+    median over the finished runs) and the probe fields of the run that probed."""
     done = [r for r in runs if r.get("tokens_per_s_per_gpu") is not None]
     row = dict(done[-1] if done else runs[-1], repeats=len(runs),
                tokens_per_s_runs=[r.get("tokens_per_s_per_gpu") for r in runs])
+    probed = next((r for r in runs if any(field in r for field in PROBE_FIELDS)), {})
+    for field in PROBE_FIELDS:
+        row.pop(field, None)
+        if field in probed:
+            row[field] = probed[field]
     if done:
         speeds = [r["tokens_per_s_per_gpu"] for r in done]
         median = statistics.median(speeds)
@@ -197,99 +238,165 @@ def run(cmd: list[str], timeout: float, extra_env: Optional[dict] = None) -> tup
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def main():
+def gpu_facts() -> dict:
+    """GPU 0's name and memory from ``nvidia-smi``: this process launches the runs and should hold no CUDA context
+    (hundreds of MiB) on their GPU, which torch's device queries create. Without ``nvidia-smi``, torch's (the
+    context then stays; ``gpu_facts`` says so)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader,nounits", "-i",
+                              "0"], capture_output=True, text=True, check=True).stdout
+        name, mib = out.strip().splitlines()[0].rsplit(",", 1)
+        return {"device": name.strip(), "gpu_memory_mib": int(mib)}
+    except (OSError, subprocess.CalledProcessError, ValueError, IndexError):
+        props = torch.cuda.get_device_properties(0)
+        return {"device": props.name, "gpu_memory_mib": props.total_memory // 2**20,
+                "gpu_facts": "from torch: nvidia-smi failed; this process holds a CUDA context beside the runs"}
+
+
+def transformer_engine_version() -> Optional[str]:
+    """TransformerEngine's installed version (None when it is not importable)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None
+    for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "installed (version unknown)"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", choices=list(CONFIGS), default="deepseek_small")
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    parser.add_argument("--train-iters", type=int, default=40)
-    parser.add_argument("--run-timeout", type=float, default=540, help="seconds per run, torchrun included")
-    parser.add_argument("--repeats", type=int, default=1,
-                        help="runs per variant, interleaved across the variants; rows give the median tokens/s")
-    args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error(f"--repeats must be >= 1, got {args.repeats}")
+    parser.add_argument("--config", choices=list(CONFIGS), default="qwen3_moe_like")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=MAIN_VARIANTS)
+    parser.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved; rows give the median")
+    parser.add_argument("--train-iters", type=int, default=3,
+                        help=f"iterations per run, the first {WARMUP_ITERS} untimed")
+    parser.add_argument("--micro-batches", type=int, default=32, help="micro-batches per GPU per iteration")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per micro-batch (config's)")
+    parser.add_argument("--num-layers", type=int, default=None, help="default: as many as fit (layers_that_fit)")
+    parser.add_argument("--max-micro-batch-cap", type=int, default=64, help="the micro-batch search's largest size")
+    parser.add_argument("--run-timeout", type=float, default=180, help="seconds per run, torchrun included")
+    parser.add_argument("--time-budget", type=float, default=None,
+                        help="seconds for the whole call: no run starts that might end past it")
+    args = parser.parse_args(argv)
+    for name in ("repeats", "micro_batches", "max_micro_batch_cap"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.train_iters <= WARMUP_ITERS:
+        parser.error(f"--train-iters must be > {WARMUP_ITERS} (the untimed first), got {args.train_iters}")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))  # runs run()'s cleanup
-    gpus = torch.cuda.device_count()
-    env = dict(utils.environment(), gpus=gpus, expert_model_parallel_size=gpus,
-               deep_ep="importable" if _importable("deep_ep") else "absent: flex runs all-to-all",
-               deep_gemm="importable" if _importable("deep_gemm") else "absent")
-    name = f"bench_megatron_pretrain_ep{gpus}"
-    stored = utils.RESULTS_DIR / f"{name}.json"
-    rows = {(r["config"], r["variant"]): r for r in json.loads(stored.read_text())["results"]} if stored.exists() else {}
-    seq = int(COMMON[COMMON.index("--seq-length") + 1])
+    gpus, gpu, te = torch.cuda.device_count(), gpu_facts(), transformer_engine_version()
+    needs_te = [v for v in args.variants if VARIANTS[v].te]
+    if needs_te and te is None:
+        raise SystemExit(f"variants {needs_te} need TransformerEngine, which is not importable here")
+    config = CONFIGS[args.config]
+    mbs = args.micro_batch_size or config.micro_batch_size
+    layers = args.num_layers or layers_that_fit(config, gpu["gpu_memory_mib"] * 2**20, gpus, mbs)
+    env = dict(utils.environment(gpu), gpus=gpus, expert_model_parallel_size=gpus, transformer_engine=te or "absent",
+               path="TransformerEngine (--transformer-impl transformer_engine)" if te else
+               "local (--transformer-impl local) with the torch SDPA core attention",
+               apex_wgrad_fusion=apex_wgrad_fusion(), deep_gemm="importable" if _importable("deep_gemm") else "absent")
+    stored = utils.RESULTS_DIR / f"bench_megatron_pretrain_{args.config}_ep{gpus}.json"
+    kept = json.loads(stored.read_text())["results"] if stored.exists() else []
+    rows = {(r["config"], r["variant"]): r for r in kept}
     runs = {variant: [] for variant in args.variants}
+    began_call, longest, path = time.perf_counter(), 0.0, None
     for variant in [v for _ in range(args.repeats) for v in args.variants]:
-        cmd = command(args.config, variant, gpus, args.train_iters)
+        if args.time_budget and time.perf_counter() - began_call + longest > args.time_budget:
+            print(f"time budget: {args.time_budget:.0f} s would be passed by the next run; stopping", flush=True)
+            break
+        cmd = command(args.config, variant, gpus, args.train_iters, layers, mbs, args.micro_batches,
+                      probe=not runs[variant], te=te is not None, search_cap=args.max_micro_batch_cap)
         began = time.perf_counter()
         status, out = run(cmd, args.run_timeout)
-        row = dict(config=args.config, variant=variant, status=status, device=env["device"],
-                   wall_s=time.perf_counter() - began,
-                   iters=args.train_iters, micro_batches=MICRO_BATCHES,
-                   allocator=" ".join(f"{k}={os.environ[k]}" for k in ALLOCATOR_ENV if k in os.environ),
-                   command=" ".join(cmd))
-        row.update(outcome(status, out, gpus * MICRO_BATCHES * seq, gpus))
-        print(variant, status, {k: row.get(k) for k in ("tokens_per_s_per_gpu", "max_allocated_mib", "final_loss")},
-              flush=True)
+        wall = time.perf_counter() - began
+        longest = max(longest, wall)
+        row = dict(config=args.config, variant=variant, status=status, device=gpu["device"], wall_s=wall,
+                   layers=layers, micro_batch_size=mbs, micro_batches=args.micro_batches, iters=args.train_iters,
+                   num_experts=config.num_experts(gpus),
+                   allocator=" ".join(f"{k}={os.environ[k]}" for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+                                      if k in os.environ), command=" ".join(cmd))
+        row.update(outcome(status, out, gpus * mbs * args.micro_batches * SEQ, gpus))
+        print(variant, status, {k: row.get(k) for k in ("tokens_per_s_per_gpu", "activation_mib_per_moe_layer",
+                                                         "max_micro_batch", "error")}, flush=True)
         runs[variant].append(row)
         rows[args.config, variant] = combine(runs[variant])
-        path = write(list(rows.values()), env, gpus, seq)  # after every run: a call cut short keeps the runs done
-    print(path.read_text())
+        path = write(args.config, list(rows.values()), env)  # after every run: a call cut short keeps the runs done
+    print(path.read_text() if path else "no run started")
 
 
-def write(rows: list[dict], env: dict, gpus: int, seq: int):
-    """``rows`` -> ``bench_megatron_pretrain_ep{gpus}`` .json / .md / .png under benchmarks/results; the .md path."""
-    columns = ["config", "variant", "device", "status", "micro_batches", "tokens_per_s_per_gpu", "repeats",
-               "tokens_per_s_spread", "iter_ms", "max_allocated_mib", "reserved_peak_mib", "alloc_retries",
-               "final_loss", "wall_s", "allocator", "experts", "error"]
-    notes = (f"EP = {gpus} GPUs, TransformerEngine absent (--transformer-impl local: attention and dense layers BF16), "
-             f"mock data, sequence {seq}, `micro_batches` micro-batches of one sequence per GPU per iteration; "
-             f"timing excludes the first {WARMUP_ITERS} iterations. `allocator`: the CUDA caching allocator's "
-             "settings of the run, when any were set; `alloc_retries` / `reserved_peak_mib`: its retries (each "
-             "frees every cached block and synchronizes) and reserved peak at the end, the most of any rank "
-             "(empty in rows from before they were recorded). `tokens_per_s_per_gpu`, `iter_ms`: medians over the "
-             "row's `repeats` runs (interleaved with the other variants' in one call; empty: one run, before "
-             "repeats were recorded), `tokens_per_s_spread`: (max - min) / median. "
-             "Rows are kept across runs (one config per run): compare rows of one device and one micro_batches only. "
-             "Commands: the `command` field of each row in the JSON; docs/megatron.md.")
-    path = utils.write_results(f"bench_megatron_pretrain_ep{gpus}",
-                               f"Megatron pretrain at EP={gpus}: BF16 experts vs FP8-Flow", env, {},
-                               rows, columns, notes=notes)
-    plot(rows, path.with_suffix(".png"), gpus)
+def write(config: str, rows: list[dict], env: dict) -> pathlib.Path:
+    """``rows`` -> ``bench_megatron_pretrain_{config}_ep{GPUs}`` .json / .md / .png under benchmarks/results,
+    each row with its tokens/s against the stand-in's of its config (``vs_bf16_grouped_mm``); the .md path."""
+    stand_in = {r["config"]: r.get("tokens_per_s_per_gpu") for r in rows if r["variant"] == "bf16_grouped_mm"}
+    for r in rows:
+        base = stand_in.get(r["config"])
+        r["vs_bf16_grouped_mm"] = r["tokens_per_s_per_gpu"] / base if base and r.get("tokens_per_s_per_gpu") else None
+    columns = ["config", "variant", "status", "layers", "micro_batch_size", "micro_batches", "tokens_per_s_per_gpu",
+               "vs_bf16_grouped_mm", "tokens_per_s_spread", "repeats", "iter_ms", "max_allocated_mib",
+               "activation_mib_per_moe_layer", "step_activation_peak_mib", "max_micro_batch", "alloc_retries",
+               "wall_s", "attention", "optimizer", "grad_accumulation", "experts", "error"]
+    notes = (
+        f"EP = {env['gpus']} GPUs; {env['path']}; mock data, sequence {SEQ}. Each iteration: `micro_batches` "
+        f"micro-batches of `micro_batch_size` sequences per GPU, then one optimizer step; the first {WARMUP_ITERS} "
+        "iteration untimed. `tokens_per_s_per_gpu`, `iter_ms`: medians over the row's `repeats` runs (the variants "
+        "interleaved in one call); `tokens_per_s_spread`: (max - min) / median; `vs_bf16_grouped_mm`: against the "
+        "stand-in's median. `max_allocated_mib`: Megatron's report after the first iteration (its optimizer step "
+        "included). Measured inside Megatron's step in each variant's first run only (the other repeats run "
+        "without probes): `activation_mib_per_moe_layer`: on the second micro-batch of the second iteration, per "
+        "MoE layer, memory allocated when its forward returned minus when it started, less its output's bytes "
+        "(what the layer keeps for backward), averaged over the MoE layers; `step_activation_peak_mib`: the most "
+        "allocated during that micro-batch's forward and backward minus what was allocated before it; "
+        "`max_micro_batch`: after the timed iterations (parameters, main grads and optimizer state held), the "
+        "largest micro-batch size (sequences) whose forward and backward ran without running out of memory, by "
+        "doubling from `micro_batch_size` then bisection, capped (`max_micro_batch_capped`: the cap trained). "
+        "`attention`, `optimizer`, `grad_accumulation`: what the run reported it ran. Commands: the `command` "
+        "field of each row in the JSON; docs/megatron.md.")
+    path = utils.write_results(f"bench_megatron_pretrain_{config}_ep{env['gpus']}",
+                               f"Megatron pretrain at EP={env['gpus']}: BF16 grouped stand-in vs FP8-Flow",
+                               env, {}, rows, columns, notes=notes,
+                               formats={"vs_bf16_grouped_mm": ".3f", "tokens_per_s_spread": ".1%"})
+    plot(rows, path.with_suffix(".png"))
     return path
 
 
-def plot(rows: list[dict], path, gpus: int) -> None:
-    """One line of panels per config: the loss curves of its runs, and the tokens/s per GPU of those that did not
-    fail (label: variant, device, micro-batches per iteration)."""
+def plot(rows: list[dict], path) -> None:
+    """Per config, three panels over its variants: tokens/s per GPU (median, the bar's line spans the runs),
+    activation MiB per MoE layer, and the largest micro-batch that trained."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    fig, axes = plt.subplots(len(configs), 2, figsize=(12, 3.6 * len(configs)), squeeze=False)
-    for (loss_ax, speed_ax), config in zip(axes, configs):
-        runs = [r for r in rows if r["config"] == config and r.get("curve")]
-        for r in runs:  # rows from before curve_iters was recorded: their log lines in order
-            loss_ax.plot(r.get("curve_iters") or range(1, len(r["curve"]) + 1), r["curve"], marker=".",
-                         label=r["variant"])
-        timed = [r for r in runs if r.get("tokens_per_s_per_gpu") is not None]  # not a run that failed
-        labels = [f"{r['variant']}\n{r.get('device', '?')}, {r.get('micro_batches', '?')} mb" for r in timed]
-        speed_ax.barh(labels, [r["tokens_per_s_per_gpu"] for r in timed])
-        loss_ax.set(title=f"{config}: lm loss",
-                    xlabel="iteration" if all(r.get("curve_iters") for r in runs) else "log line")
-        speed_ax.set(title=f"{config}: tokens/s per GPU (EP={gpus})")
-        speed_ax.tick_params(axis="y", labelsize=7)
-        loss_ax.legend(fontsize=7)
-        for ax in (loss_ax, speed_ax):
+    fig, axes = plt.subplots(len(configs), 3, figsize=(15, 3.6 * len(configs)), squeeze=False)
+    for (speed_ax, act_ax, mb_ax), config in zip(axes, configs):
+        mine = [r for r in rows if r["config"] == config]
+        timed = [r for r in mine if r.get("tokens_per_s_per_gpu") is not None]
+        speeds = [r["tokens_per_s_per_gpu"] for r in timed]
+        ranges = [[s - min(filter(None, r["tokens_per_s_runs"])) for s, r in zip(speeds, timed)],
+                  [max(filter(None, r["tokens_per_s_runs"])) - s for s, r in zip(speeds, timed)]]
+        speed_ax.barh([r["variant"] for r in timed], speeds, xerr=ranges)
+        probed = [r for r in mine if r.get("activation_mib_per_moe_layer") is not None]
+        act_ax.barh([r["variant"] for r in probed], [r["activation_mib_per_moe_layer"] for r in probed])
+        searched = [r for r in mine if r.get("max_micro_batch") is not None]
+        mb_ax.barh([r["variant"] for r in searched], [r["max_micro_batch"] for r in searched])
+        for ax, title in ((speed_ax, "tokens/s per GPU"), (act_ax, "activation MiB per MoE layer"),
+                          (mb_ax, "largest micro-batch that trains")):
+            ax.set(title=f"{config}: {title}")
+            ax.tick_params(axis="y", labelsize=7)
             ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
 
 def _importable(module: str) -> bool:
-    import importlib.util
-
     return importlib.util.find_spec(module) is not None
 
 

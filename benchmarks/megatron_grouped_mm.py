@@ -4,9 +4,7 @@ What a TransformerEngine user's BF16 run does: Megatron's ``MoELayer`` with its 
 router, and experts that run the local experts' SwiGLU MLPs as grouped GEMMs on stacked weights
 (``baselines.grouped_swiglu``: two ``torch._grouped_mm``) instead of ``SequentialMLP``'s per-expert loop.
 ``grouped_mm_layer_spec`` puts it into Megatron's layer spec (``megatron_patches.experts.replace_moe_experts``);
-run as a script it is ``examples.pretrain_gpt`` with that spec (megatron-core 0.19, ``megatron.training``):
-
-    torchrun --nproc_per_node N benchmarks/megatron_grouped_mm.py <Megatron args>   # PYTHONPATH=<repo root>
+``megatron_bench_entry.py --bench-grouped-mm`` runs Megatron's ``pretrain`` with it.
 """
 
 from __future__ import annotations
@@ -61,9 +59,3 @@ def grouped_mm_layer_spec(spec, config):
     from megatron_patches.experts import replace_moe_experts
 
     return replace_moe_experts(spec, GroupedMMExperts)
-
-
-if __name__ == "__main__":
-    from examples.pretrain_gpt import megatron_pretrain
-
-    megatron_pretrain(layer_spec=grouped_mm_layer_spec)

@@ -228,14 +228,16 @@ def measure_machine():
     return env, ceilings, copy_tbps
 
 
-def environment() -> dict:
-    """Device and software facts recorded with every result."""
-    props = torch.cuda.get_device_properties(0)
+def environment(device: Optional[dict] = None) -> dict:
+    """Device and software facts recorded with every result. ``device``: the device's facts when the caller
+    has them without torch's CUDA (a process that launches GPU runs holds no CUDA context beside them)."""
+    if device is None:
+        props = torch.cuda.get_device_properties(0)
+        device = {"device": props.name, "sms": props.multi_processor_count}
     import triton
 
     return {
-        "device": props.name,
-        "sms": props.multi_processor_count,
+        **device,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
