@@ -66,7 +66,7 @@ def test_sdpa_core_equals_megatrons_dot_product_attention(world_of_one, heads, g
     assert got[0].shape == (SEQ, BATCH, heads * dv)
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
-    assert ours.backend == "SDPA's choice on the CPU"
+    assert ours.backend == "SDPA's choice (on the CPU)"
 
 
 @cpu_only
@@ -82,14 +82,16 @@ def test_attention_is_causal(world_of_one):
 
 
 @cpu_only
-def test_flash_path_pads_the_value_heads_without_changing_the_result(world_of_one, monkeypatch):
-    """On CUDA the module asks for flash, which needs one head dim: MLA's value is zero-padded to the query's
-    and the output sliced back. Run that path on the CPU (SDPA's own choice standing in for flash)."""
+def test_padded_flash_path_gives_the_unpadded_result(world_of_one, monkeypatch):
+    """Flash needs one head dim: MLA's value is zero-padded to the query's and the output sliced back. Run that
+    path on the CPU (SDPA's own choice standing in for flash)."""
     import contextlib
 
+    import sdpa_attention
+
     stock, ours = _pair(4, 4, 24, 16, 0.3)
-    monkeypatch.setattr(ours, "_flash_allowed", lambda q: True)
-    monkeypatch.setattr(ours, "_flash_only", contextlib.nullcontext)
+    monkeypatch.setattr(ours, "_kernels", lambda q, v: [("flash", True)])
+    monkeypatch.setattr(sdpa_attention, "_only", lambda name: contextlib.nullcontext())
     q, k, v = torch.randn(SEQ, BATCH, 4, 24), torch.randn(SEQ, BATCH, 4, 24), torch.randn(SEQ, BATCH, 4, 16)
     dout = torch.randn(SEQ, BATCH, 64)
     for name, a, b in zip(("out", "dq", "dk", "dv"), _run(ours, q, k, v, dout), _run(stock, q, k, v, dout)):
@@ -98,18 +100,34 @@ def test_flash_path_pads_the_value_heads_without_changing_the_result(world_of_on
 
 
 @cpu_only
-def test_a_refused_flash_falls_back_once_and_says_why(world_of_one, monkeypatch):
-    _, ours = _pair(2, 2, 8, 8)
-    monkeypatch.setattr(ours, "_flash_allowed", lambda q: ours.backend is None)
+def test_a_refusing_kernel_is_said_and_not_asked_again(world_of_one, monkeypatch):
+    """MLA's order (cuDNN, then padded flash): cuDNN refusing once leaves padded flash, then SDPA's own choice
+    when both refuse; each refusal named in ``backend``."""
+    import contextlib
 
-    def refused():
-        raise RuntimeError("No available kernel. Aborting execution.\nmore")
+    import sdpa_attention
 
-    monkeypatch.setattr(ours, "_flash_only", refused)
-    q = torch.randn(SEQ, 1, 2, 8)
-    first = ours(q, q, q, None)
-    assert ours.backend == "SDPA's choice (flash refused: No available kernel. Aborting execution.)"
-    torch.testing.assert_close(ours(q, q, q, None), first)
+    _, ours = _pair(2, 2, 24, 16)
+    monkeypatch.setattr(ours, "_kernels", lambda q, v: [k for k in [("cudnn", False), ("flash", True)]
+                                                        if k[0] not in ours._refused])
+    asked, refusing = [], {"cudnn"}
+
+    def only(name):
+        asked.append(name)
+        if name in refusing:
+            raise RuntimeError(f"No available kernel ({name}). Aborting execution.\nmore")
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(sdpa_attention, "_only", only)
+    q, v = torch.randn(SEQ, 1, 2, 24), torch.randn(SEQ, 1, 2, 16)
+    first = ours(q, q, v, None)
+    assert asked == ["cudnn", "flash"] and ours.backend == "flash (V padded 16 -> 24)"
+    torch.testing.assert_close(ours(q, q, v, None), first)
+    assert asked == ["cudnn", "flash", "flash"]  # cuDNN not asked again
+    refusing.add("flash")
+    torch.testing.assert_close(ours(q, q, v, None), first, rtol=1e-5, atol=1e-5)
+    assert ours.backend == ("SDPA's choice (cudnn refused: No available kernel (cudnn). Aborting execution.; "
+                            "flash refused: No available kernel (flash). Aborting execution.)")
 
 
 @cpu_only
@@ -145,9 +163,10 @@ def test_spec_swap_replaces_every_local_core_attention(mla):
 
 @requires_cuda
 @pytest.mark.parametrize("heads, groups, dk, dv", [(32, 4, 128, 128), (16, 16, 192, 128)], ids=["gqa", "mla"])
-def test_flash_on_the_gpu_matches_the_math_path(heads, groups, dk, dv):
-    """On the GPU the core runs flash in BF16 (MLA: V padded to 192) and agrees with SDPA in FP32 on the same
-    BF16 inputs (flash not allowed: SDPA's own choice), output and input gradients within BF16 rounding."""
+def test_fused_kernels_on_the_gpu_match_the_math_path(heads, groups, dk, dv):
+    """On the GPU the core runs flash (GQA) or cuDNN's attention (MLA's 192/128 head dims) in BF16 and agrees with
+    SDPA in FP32 on the same BF16 inputs (no fused kernel asked: SDPA's own choice), output and input gradients
+    within BF16 rounding."""
     from megatron.core.transformer.enums import AttnMaskType
 
     ours = SDPACoreAttention(_config(heads, groups, dv), 1, AttnMaskType.causal, "self", softmax_scale=dk ** -0.5,
@@ -157,10 +176,10 @@ def test_flash_on_the_gpu_matches_the_math_path(heads, groups, dk, dv):
     v = torch.randn(512, 2, groups, dv, device="cuda", dtype=torch.bfloat16)
     dout = torch.randn(512, 2, heads * dv, device="cuda", dtype=torch.bfloat16)
     got = _run(ours, q, k, v, dout)
-    assert ours.backend == ("flash" if dk == dv else f"flash (V padded {dv} -> {dk})")
+    assert ours.backend == ("flash" if dk == dv else "cudnn")
     math = SDPACoreAttention(_config(heads, groups, dv), 1, AttnMaskType.causal, "self", softmax_scale=dk ** -0.5,
                              k_channels=dk, v_channels=dv)
-    math._flash_allowed = lambda q: False
+    math._kernels = lambda q, v: []
     expected = _run(math, *(t.float() for t in (q, k, v, dout)))
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
         assert relerr(a.float(), b) < 1e-2, name  # BF16 rounding of the flash path
