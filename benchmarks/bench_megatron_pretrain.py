@@ -18,6 +18,7 @@ Runs (``VARIANTS``; ``MAIN_VARIANTS`` by default):
   dispatcher with experts as two ``torch._grouped_mm`` (``megatron_grouped_mm.py``);
 - ``fp8_flow`` (per-expert weights), ``fp8_flow_single_weight`` (one ``[E, N, K]`` weight per GEMM), each also
   with ``moe_expert`` recompute (``..._moe_expert``): FP8-Flow experts, the rest of the model BF16;
+  ``fp8_flow_graph_single_weight``: ``fp8_flow_single_weight`` with the expert path in CUDA graphs (EP=1);
 - with TransformerEngine installed: ``te_bf16`` (Megatron's ``TEGroupedMLP``), ``te_blockwise`` (TE's blockwise
   FP8 everywhere, ``--fp8-format e4m3 --fp8-recipe blockwise``) and ``fp8_flow_single_weight_te_blockwise``
   (FP8-Flow experts, TE's blockwise FP8 for the dense layers).
@@ -99,6 +100,8 @@ VARIANTS = {
     "fp8_flow_single_weight": Variant(f"{FP8_FLOW} {SINGLE_WEIGHT}", search=True),
     "fp8_flow_single_weight_moe_expert": Variant(f"{FP8_FLOW} {SINGLE_WEIGHT} {MOE_EXPERT}", search=True),
     "fp8_flow_moe_expert": Variant(f"{FP8_FLOW} {MOE_EXPERT}", search=True),
+    # the expert path captured in CUDA graphs (EP=1 only); graphs hold one token count: no micro-batch search
+    "fp8_flow_graph_single_weight": Variant(f"{FP8_FLOW} {SINGLE_WEIGHT} --moe-fp8-flow-cuda-graph"),
     "te_bf16": Variant("", search=True, te=True),
     "te_blockwise": Variant("--fp8-format e4m3 --fp8-recipe blockwise", search=True, te=True),
     "fp8_flow_single_weight_te_blockwise": Variant(f"{FP8_FLOW} {SINGLE_WEIGHT} --fp8-format e4m3", search=True,
