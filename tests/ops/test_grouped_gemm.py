@@ -376,3 +376,49 @@ def test_cublas_refusals_name_what_it_needs():
     assert "not both operands E5M2" in why(a=E5M2, b=E5M2)
     assert why("wgrad", (128, 256)) is None and "multiple of 128 rows" in why("wgrad", (128, 144))
     assert why_not("cublas", GemmCall("fprop", E4M3, E4M3, [256], torch.bfloat16, cuda=False)) == "it needs CUDA tensors"
+
+
+def test_auto_runs_the_next_backend_where_cublaslt_has_no_kernel(monkeypatch):
+    """A call "auto" sends to cuBLAS whose shapes cuBLASLt's heuristic has no kernel for (``cublaslt.NoKernel``,
+    raised before any launch; seen on an H200 for DeepSeek-V3's fc2 wgrad over 1152 rows) runs on the next backend
+    of ``AUTO_ORDER``; ``backend="cublas"`` keeps the error."""
+    import importlib
+
+    from transformer_engine_moe.kernels import cublaslt
+
+    ops = importlib.import_module("transformer_engine_moe.ops.grouped_gemm")  # the module, not the op
+
+    ran = []
+
+    def backend(name, result=None):
+        def wgrad(*args):
+            ran.append(name)
+            if result is None:
+                raise cublaslt.NoKernel(f"{name}: no kernel")
+            return result
+        return type(name, (), {"grouped_gemm_wgrad": staticmethod(wgrad)})()
+
+    monkeypatch.setitem(ops.IMPLEMENTATIONS, "cublas", backend("cublas"))
+    monkeypatch.setitem(ops.IMPLEMENTATIONS, "triton", backend("triton", "dW"))
+    call = GemmCall("wgrad", E4M3, E4M3, [1152] * 32, torch.bfloat16, V3_FC2, cublaslt=True)
+    run = lambda impl: impl.grouped_gemm_wgrad()  # noqa: E731
+    assert auto_backend(call) == "cublas"
+    assert ops._run("auto", call, torch.empty(0), "grouped_gemm_wgrad", run) == "dW" and ran == ["cublas", "triton"]
+    with pytest.raises(cublaslt.NoKernel, match="cublas: no kernel"):
+        ops._run("cublas", call, torch.empty(0), "grouped_gemm_wgrad", run)
+
+
+@requires_cuda
+@pytest.mark.parametrize("accumulate", [False, True], ids=["written", "added"])
+def test_gpu_auto_wgrad_over_rows_cublaslt_may_lack_a_kernel_for(accumulate):
+    """DeepSeek-V3's fc2 wgrad (7168 x 2048) over experts of 1152 and 1024 rows through "auto" (cuBLAS where
+    cuBLASLt has a kernel, the next backend where it has none: the H200 Megatron run that found it stopped there)
+    matches the reference."""
+    splits, n, k = [1152, 1024], 7168, 2048
+    dy, x = act(sum(splits), n), act(sum(splits), k)
+    dyt, xt = scaling_aware_transpose(dy, splits), scaling_aware_transpose(x, splits)
+    start = torch.randn(len(splits), n, k, device="cuda") if accumulate else None
+    out = grouped_gemm_wgrad(dyt, xt, splits, out=None if start is None else start.clone(), accumulate=accumulate,
+                             backend="auto")
+    ref = grouped_gemm_wgrad(dyt, xt, splits, backend="reference") + (0 if start is None else start)
+    assert relerr(out, ref) < TOL

@@ -52,6 +52,12 @@ _A_SCALE_ATTR, _B_SCALE_ATTR = ctypes.c_int(_DESC_A_SCALE_POINTER), ctypes.c_int
 _POINTER_BYTES, _WORKSPACE_SIZE = ctypes.c_size_t(8), ctypes.c_size_t(WORKSPACE_BYTES)
 
 
+class NoKernel(RuntimeError):
+    """cuBLASLt's heuristic offers no kernel for one expert's shape (raised before any launch of the call; the
+    shape is remembered). ``ops.grouped_gemm``'s "auto" then runs the call on its next backend. Seen on an H200:
+    the wgrad over 1152 rows of DeepSeek-V3's fc2 (cublasStatus_t 7), where 384, 1024 and 2048 rows had one."""
+
+
 def _check(status: int, what: str) -> None:
     if status:
         raise RuntimeError(f"cuBLASLt {what} failed with cublasStatus_t {status}")
@@ -111,7 +117,7 @@ class _Context:
         ws = ctypes.c_uint64(WORKSPACE_BYTES)
         _check(lib.cublasLtMatmulPreferenceSetAttribute(self.pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), 8),
                "preference attribute")
-        self.descs, self.layouts, self.plans, self.workspaces = {}, {}, {}, {}
+        self.descs, self.layouts, self.plans, self.workspaces, self.no_kernel = {}, {}, {}, {}, {}
         self.one, self.zero = ctypes.byref(ctypes.c_float(1.0)), ctypes.byref(ctypes.c_float(0.0))
         # Each launch's addresses go through these (set by value, the scale pointers passed by reference): no
         # ctypes object is made per launch.
@@ -143,6 +149,8 @@ class _Context:
         """(descriptor, layouts A ``[kk, mm]``, B ``[kk, nn]``, D ``[mm, nn]``, the address of cuBLAS's first
         heuristic pick, the result holding it) for one expert's ``D = op_T(A) @ B``, found once per shape."""
         key = (modes, kk, mm, nn, a_dtype, b_dtype, d_dtype)
+        if key in self.no_kernel:
+            raise NoKernel(self.no_kernel[key])
         if key not in self.plans:
             desc = self.desc(modes)
             la, lb, ld = self.layout(a_dtype, kk, mm), self.layout(b_dtype, kk, nn), self.layout(d_dtype, mm, nn)
@@ -150,7 +158,10 @@ class _Context:
             status = self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, la, lb, ld, ld, self.pref, 1,
                                                              ctypes.addressof(result), ctypes.byref(count))
             if status or count.value == 0:
-                raise RuntimeError(f"cuBLASLt has no blockwise-FP8 kernel for {key} (cublasStatus_t {status})")
+                self.no_kernel[key] = (f"cuBLASLt has no blockwise-FP8 kernel for scale modes {modes}, reduction "
+                                       f"{kk}, {mm} x {nn}, {a_dtype} x {b_dtype} -> {d_dtype} (cublasStatus_t "
+                                       f"{status}, {count.value} kernels)")
+                raise NoKernel(self.no_kernel[key])
             assert ctypes.c_size_t.from_buffer(result, _HEURISTIC_WORKSPACE_OFFSET).value <= WORKSPACE_BYTES
             # (the algorithm is the result's first field; the result is kept alive with its address)
             self.plans[key] = (desc, la, lb, ld, ctypes.c_void_p(ctypes.addressof(result)), result)
@@ -211,12 +222,11 @@ def grouped_gemm(a: torch.Tensor, a_scale_em: torch.Tensor, b: torch.Tensor, b_s
     row_bytes, w_scale_bytes = n * out.element_size(), 4 * (n // 128) * ld
     lo, job = 0, 0
     with ctx.lock:  # the descriptor's scale pointers are this launch's until cublasLtMatmul has read them
-        plan, planned = None, 0
+        plans = {size: ctx.plan((BLK128x128, VEC128), r, n, size, b.dtype, a.dtype, out.dtype)
+                 for size in set(m_splits[:g]) if size}  # all first: NoKernel before any launch
         for e, size in enumerate(m_splits[:g]):
             if size:
-                if size != planned:  # (experts padded alike share one)
-                    plan, planned = ctx.plan((BLK128x128, VEC128), r, n, size, b.dtype, a.dtype, out.dtype), size
-                ctx.matmul(plan, pb + e * n * r, psb + e * w_scale_bytes, pa + lo * r, psa + 4 * rb * lo,
+                ctx.matmul(plans[size], pb + e * n * r, psb + e * w_scale_bytes, pa + lo * r, psa + 4 * rb * lo,
                            po + lo * row_bytes, ctx.zero, launch[job % len(launch)])
                 job += 1
             lo += size
@@ -245,12 +255,11 @@ def grouped_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tenso
     beta = ctx.one if accumulate else ctx.zero
     lo, job = 0, 0
     with ctx.lock:  # the descriptor's scale pointers are this launch's until cublasLtMatmul has read them
-        plan, planned = None, 0
+        plans = {size: ctx.plan((VEC128, VEC128), size, k, n, b_t.dtype, a_t.dtype, out_dtype)
+                 for size in set(m_splits) if size}  # all first: NoKernel before any launch
         for size, out_ptr in zip(m_splits, out_ptrs):
             if size:
-                if size != planned:  # (experts padded alike share one)
-                    plan, planned = ctx.plan((VEC128, VEC128), size, k, n, b_t.dtype, a_t.dtype, out_dtype), size
-                ctx.matmul(plan, b + k * lo, sb + 4 * k * (lo // 128), a + n * lo, sa + 4 * n * (lo // 128), out_ptr,
-                           beta, launch[job % len(launch)])
+                ctx.matmul(plans[size], b + k * lo, sb + 4 * k * (lo // 128), a + n * lo, sa + 4 * n * (lo // 128),
+                           out_ptr, beta, launch[job % len(launch)])
                 job += 1
             lo += size

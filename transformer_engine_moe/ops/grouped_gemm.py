@@ -36,7 +36,7 @@ Alignment: K and N multiples of 128 (the weights' 128x128 blocks).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -134,12 +134,12 @@ def why_not(backend: str, call: GemmCall) -> Optional[str]:
         f"float32 output (got {call.out_dtype}), and not both operands E5M2")
 
 
-def auto_backend(call: GemmCall) -> Optional[str]:
-    """The backend ``"auto"`` runs ``call`` on: on the GPU the first of ``AUTO_ORDER[call.kind]`` that can run it,
-    cuBLAS only where ``cublas_pays``; None where none can (the reference off the GPU)."""
+def auto_backend(call: GemmCall, skip: tuple = ()) -> Optional[str]:
+    """The backend ``"auto"`` runs ``call`` on: on the GPU the first of ``AUTO_ORDER[call.kind]`` (less ``skip``)
+    that can run it, cuBLAS only where ``cublas_pays``; None where none can (the reference off the GPU)."""
     if not call.cuda:
         return None
-    for name in AUTO_ORDER[call.kind]:
+    for name in (n for n in AUTO_ORDER[call.kind] if n not in skip):
         if name == "cublas" and isinstance(call.m_splits, list) and not cublas_pays(call.kind, call.m_splits,
                                                                                      call.weight_elements):
             continue
@@ -161,6 +161,19 @@ def _impl(backend: str, call: GemmCall, a: torch.Tensor, op: str) -> Implementat
         return IMPLEMENTATIONS[backend]
     name = auto_backend(call) if backend == "auto" else None
     return IMPLEMENTATIONS[name] if name else implementation(backend, a, op)
+
+
+def _run(backend: str, call: GemmCall, a: torch.Tensor, op: str, run: Callable[[Implementation], object]):
+    """``run`` on the implementation of ``op`` (``_impl``). Under "auto", a call sent to cuBLAS for whose shapes
+    cuBLASLt has no kernel (``cublaslt.NoKernel``, raised before any launch) runs on the next backend of
+    ``AUTO_ORDER`` instead; with ``backend="cublas"`` the error stands."""
+    impl = _impl(backend, call, a, op)
+    try:
+        return run(impl)
+    except cublaslt.NoKernel:
+        if backend != "auto":
+            raise
+        return run(IMPLEMENTATIONS[auto_backend(call, skip=("cublas",))])
 
 
 def _check_act(t, name: str, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,8 +233,8 @@ def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_
         raise TypeError(f"out_dtype must be bf16/fp16/fp32, got {out_dtype}")
     m_splits, _ = _check_splits(m_splits, inp.shape[0], weight.shape[0], a.device)
     call = GemmCall.of("fprop", a, b.dtype, m_splits, out_dtype, weight_elements=weight.shape[1] * weight.shape[2])
-    impl = _impl(backend, call, a, "grouped_gemm")
-    return impl.grouped_gemm(a, a_scale, b, b_scale, m_splits, out_dtype)
+    return _run(backend, call, a, "grouped_gemm",
+                lambda impl: impl.grouped_gemm(a, a_scale, b, b_scale, m_splits, out_dtype))
 
 
 def stacked_view(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -298,6 +311,6 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
     call = GemmCall.of("wgrad_accumulate" if accumulate else "wgrad", a, b.dtype, m_splits,
                        out_dtype if out is None else torch.float32, weight_elements=shape[1] * shape[2],
                        out_list=isinstance(out, list))
-    impl = _impl(backend, call, a, "grouped_gemm_wgrad")
-    result = impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, out_dtype)
+    result = _run(backend, call, a, "grouped_gemm_wgrad",
+                  lambda impl: impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, out_dtype))
     return result if given is None else given
