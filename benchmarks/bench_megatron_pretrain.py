@@ -29,7 +29,8 @@ is Megatron's dispatcher permuting locally for the stand-in, and FP8-Flow runs i
 collectives); the flag is FP8-Flow's required one.
 
 Each iteration accumulates ``--micro-batches`` (32) micro-batches per GPU before one optimizer step, as
-pretraining does; ``--train-iters`` (3) iterations, the first untimed, every iteration logged. Per run, from
+pretraining does; ``--train-iters`` (4) iterations, the first ``--warmup-iters`` (2) untimed (``WARMUP_ITERS``),
+every iteration logged. Per run, from
 Megatron's log and the ``bench:`` lines of ``megatron_bench_entry.py``: tokens/s per GPU, max allocated memory,
 which optimizer, gradient-accumulation path and attention ran, TransformerEngine's version. The first run of
 each variant also probes memory (``megatron_memory_probes``: ``activation_mib_per_moe_layer``,
@@ -139,7 +140,11 @@ def command(config: str, variant: str, gpus: int, iters: int, layers: int, micro
             "--log-interval", str(log_interval), "--expert-model-parallel-size", str(gpus), "--seed", str(seed)]
 
 
-WARMUP_ITERS = 1  # iterations left out of the timing
+# Iterations left out of the timing by default: the first fills the JIT caches (DeepGEMM compiles a kernel per
+# configuration its heuristic picks for a grouped GEMM's total rows, which move with every micro-batch's routing:
+# an H200 run timing the second iteration on gave FP8-Flow 0.58x the stand-in at qwen3_moe_like, the block
+# alone 1.36x), the second what the first left.
+WARMUP_ITERS = 2
 ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+) .*lm loss: ([\d.E+-]+)")
 MEM = re.compile(r"max allocated: ([\d.]+)")
 ALLOCATOR = re.compile(r"allocator \(rank \d+\): retries (\d+), reserved peak ([\d.]+) MiB")  # examples.pretrain_gpt
@@ -161,15 +166,15 @@ def bench_lines(text: str) -> dict:
     return facts
 
 
-def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
+def parse_log(text: str, tokens_per_iter: int, gpus: int, warmup: int = WARMUP_ITERS) -> dict:
     """Megatron's iteration and memory log lines -> the run's row (tokens/s per GPU over the iterations after
-    the first ``WARMUP_ITERS``, max allocated MiB, final loss, loss curve), its ``experts:`` line, the caching
-    allocator's retries and reserved peak (the most of any rank; None without reports) and the entry's
-    ``bench:`` facts and probe values."""
+    the first ``warmup``, ``iter_ms_each``: every logged iteration's, max allocated MiB, final loss, loss
+    curve), its ``experts:`` line, the caching allocator's retries and reserved peak (the most of any rank; None
+    without reports) and the entry's ``bench:`` facts and probe values."""
     logged = [(int(i), float(ms), float(loss)) for i, ms, loss in ITER.findall(text)]
     if not logged:
         raise ValueError("no 'iteration ... lm loss' lines in the log")
-    steady = [ms for i, ms, _ in logged if i > WARMUP_ITERS] or [ms for _, ms, _ in logged]
+    steady = [ms for i, ms, _ in logged if i > warmup] or [ms for _, ms, _ in logged]
     tail = logged[-max(1, len(logged) // 4):]
     iter_ms = sum(steady) / len(steady)
     experts = [line.strip() for line in text.splitlines() if line.strip().startswith("experts: ")]
@@ -177,6 +182,7 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
     return dict(alloc_retries=max(r for r, _ in allocator) if allocator else None,
                 reserved_peak_mib=max(m for _, m in allocator) if allocator else None,
                 tokens_per_s_per_gpu=tokens_per_iter / iter_ms * 1e3 / gpus, iter_ms=iter_ms,
+                iter_ms_each=[ms for _, ms, _ in logged],
                 timed_iters=len(steady),
                 max_allocated_mib=max((float(m) for m in MEM.findall(text)), default=float("nan")),
                 final_loss=sum(loss for *_, loss in tail) / len(tail), curve=[loss for *_, loss in logged],
@@ -184,14 +190,14 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int) -> dict:
                 experts=experts[0] if experts else "", **bench_lines(text))
 
 
-def outcome(status: str, out: str, tokens_per_iter: int, gpus: int) -> dict:
+def outcome(status: str, out: str, tokens_per_iter: int, gpus: int, warmup: int = WARMUP_ITERS) -> dict:
     """What a run's row records of its ``out``put: ``parse_log``'s fields when it logged iterations, and, when
     the run failed or logged none, the log's tail and its first exception line (``error``: the root cause, where
     the tail is mostly torchrun's report of the workers it stopped). A failed run's loss curve and memory are
     kept; its tokens/s and iteration time are not (they would time the iterations before the failure)."""
     row = {} if status == "ok" else {"log_tail": out[-3000:]}
     try:
-        row.update(parse_log(out, tokens_per_iter, gpus))
+        row.update(parse_log(out, tokens_per_iter, gpus, warmup))
     except ValueError:
         row["log_tail"] = out[-3000:]
     if status != "ok":
@@ -273,8 +279,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", choices=list(CONFIGS), default="qwen3_moe_like")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=MAIN_VARIANTS)
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, interleaved; rows give the median")
-    parser.add_argument("--train-iters", type=int, default=3,
-                        help=f"iterations per run, the first {WARMUP_ITERS} untimed")
+    parser.add_argument("--train-iters", type=int, default=4, help="iterations per run")
+    parser.add_argument("--warmup-iters", type=int, default=WARMUP_ITERS, help="the first iterations, untimed")
     parser.add_argument("--micro-batches", type=int, default=32, help="micro-batches per GPU per iteration")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="sequences per micro-batch (config's)")
     parser.add_argument("--num-layers", type=int, default=None, help="default: as many as fit (layers_that_fit)")
@@ -286,8 +292,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("repeats", "micro_batches", "max_micro_batch_cap"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.train_iters <= WARMUP_ITERS:
-        parser.error(f"--train-iters must be > {WARMUP_ITERS} (the untimed first), got {args.train_iters}")
+    if args.warmup_iters < 0 or args.train_iters <= args.warmup_iters:
+        parser.error(f"--train-iters must be > --warmup-iters >= 0 (the untimed first), got {args.train_iters} and "
+                     f"{args.warmup_iters}")
     return args
 
 
@@ -304,7 +311,8 @@ def main(argv=None):
     env = dict(utils.environment(gpu), gpus=gpus, expert_model_parallel_size=gpus, transformer_engine=te or "absent",
                path="TransformerEngine (--transformer-impl transformer_engine)" if te else
                "local (--transformer-impl local) with the torch SDPA core attention",
-               apex_wgrad_fusion=apex_wgrad_fusion(), deep_gemm="importable" if _importable("deep_gemm") else "absent")
+               warmup_iters=args.warmup_iters, apex_wgrad_fusion=apex_wgrad_fusion(),
+               deep_gemm="importable" if _importable("deep_gemm") else "absent")
     stored = utils.RESULTS_DIR / f"bench_megatron_pretrain_{args.config}_ep{gpus}.json"
     kept = json.loads(stored.read_text())["results"] if stored.exists() else []
     rows = {(r["config"], r["variant"]): r for r in kept}
@@ -325,7 +333,7 @@ def main(argv=None):
                    num_experts=config.num_experts(gpus),
                    allocator=" ".join(f"{k}={os.environ[k]}" for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
                                       if k in os.environ), command=" ".join(cmd))
-        row.update(outcome(status, out, gpus * mbs * args.micro_batches * SEQ, gpus))
+        row.update(outcome(status, out, gpus * mbs * args.micro_batches * SEQ, gpus, args.warmup_iters))
         print(variant, status, {k: row.get(k) for k in ("tokens_per_s_per_gpu", "activation_mib_per_moe_layer",
                                                          "max_micro_batch", "error")}, flush=True)
         runs[variant].append(row)
@@ -347,8 +355,9 @@ def write(config: str, rows: list[dict], env: dict) -> pathlib.Path:
                "wall_s", "attention", "optimizer", "grad_accumulation", "experts", "error"]
     notes = (
         f"EP = {env['gpus']} GPUs; {env['path']}; mock data, sequence {SEQ}. Each iteration: `micro_batches` "
-        f"micro-batches of `micro_batch_size` sequences per GPU, then one optimizer step; the first {WARMUP_ITERS} "
-        "iteration untimed. `tokens_per_s_per_gpu`, `iter_ms`: medians over the row's `repeats` runs (the variants "
+        f"micro-batches of `micro_batch_size` sequences per GPU, then one optimizer step; the first "
+        f"{env['warmup_iters']} iterations untimed (`iter_ms_each`: every iteration's time). "
+        "`tokens_per_s_per_gpu`, `iter_ms`: medians over the row's `repeats` runs (the variants "
         "interleaved in one call); `tokens_per_s_spread`: (max - min) / median; `vs_bf16_grouped_mm`: against the "
         "stand-in's median. `max_allocated_mib`: Megatron's report after the first iteration (its optimizer step "
         "included). Measured inside Megatron's step in each variant's first run only (the other repeats run "

@@ -172,8 +172,10 @@ allocator (rank 0): retries 0, reserved peak 70000.0 MiB
 
 
 def test_parse_log_reads_megatrons_lines_and_the_entrys_facts():
-    row = bench.parse_log(LOG, tokens_per_iter=32 * 4 * 4096, gpus=1)
+    row = bench.parse_log(LOG, tokens_per_iter=32 * 4 * 4096, gpus=1, warmup=1)
     assert row["iter_ms"] == 4100.0 and row["timed_iters"] == 2  # iterations 2 and 3: after the first
+    assert row["iter_ms_each"] == [9000.0, 4000.0, 4200.0]
+    assert bench.parse_log(LOG, 32 * 4 * 4096, 1)["timed_iters"] == 1  # by default the first two are untimed
     assert row["tokens_per_s_per_gpu"] == pytest.approx(32 * 4 * 4096 / 4.1)
     assert row["max_allocated_mib"] == 14100.5 and row["curve_iters"] == [1, 2, 3]
     assert row["optimizer"].startswith("torch.optim.adamw.AdamW (foreach)")
@@ -193,7 +195,7 @@ benchmarks/megatron_bench_entry.py FAILED
 
 
 def test_outcome_keeps_a_failed_runs_log_tail_and_root_cause_with_what_it_logged():
-    ok = bench.outcome("ok", LOG, 128 * 4096, 1)
+    ok = bench.outcome("ok", LOG, 128 * 4096, 1, warmup=1)
     assert "log_tail" not in ok and "error" not in ok and ok["iter_ms"] == 4100.0
     oom = "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 7.00 GiB"
     failed = bench.outcome("exit 1", LOG + "Traceback (most recent call last):\n" + oom + "\n" + TORCHRUN_REPORT,
@@ -226,7 +228,7 @@ def _fake_machine(monkeypatch, tmp_path, speeds, te=None):
         speed = speeds[variant][len([v for v, _ in order if v == variant]) - 1]
         return ("ok" if speed else "exit 1"), speed
 
-    def fake_outcome(status, speed, tokens_per_iter, gpus):
+    def fake_outcome(status, speed, tokens_per_iter, gpus, warmup):
         return dict(tokens_per_s_per_gpu=speed, iter_ms=1e3 / speed if speed else None, final_loss=1.0)
 
     monkeypatch.setattr(bench, "run", fake_run)
@@ -276,7 +278,7 @@ def test_te_variants_need_transformer_engine(tmp_path, monkeypatch):
     with pytest.raises(SystemExit, match="need TransformerEngine"):
         bench.main(["--variants", "te_bf16"])
     with pytest.raises(SystemExit):
-        bench.main(["--train-iters", "1"])  # nothing left to time
+        bench.main(["--train-iters", "2"])  # nothing left to time after the two untimed
 
 
 def test_gpu_facts_read_nvidia_smi(monkeypatch):
