@@ -181,7 +181,12 @@ class _ModelOfCublasLt:
         return [None] * len(streams)
 
     def plan(self, *key):
-        return key
+        """The key less the scale addresses, which must point somewhere: cuBLASLt's heuristic refused every
+        block-scaled shape while they were null (cublasStatus_t 7 on an H100 and an H200)."""
+        *key, a_scale, b_scale = key
+        if not (a_scale and b_scale):
+            raise cublaslt.NoKernel(f"null scale pointer for {key}")
+        return tuple(key)
 
     @staticmethod
     def _at(address, dtype, numel):

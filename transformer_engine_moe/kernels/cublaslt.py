@@ -54,8 +54,9 @@ _POINTER_BYTES, _WORKSPACE_SIZE = ctypes.c_size_t(8), ctypes.c_size_t(WORKSPACE_
 
 class NoKernel(RuntimeError):
     """cuBLASLt's heuristic offers no kernel for one expert's shape (raised before any launch of the call; the
-    shape is remembered). ``ops.grouped_gemm``'s "auto" then runs the call on its next backend. Seen on an H200:
-    the wgrad over 1152 rows of DeepSeek-V3's fc2 (cublasStatus_t 7), where 384, 1024 and 2048 rows had one."""
+    shape is remembered). ``ops.grouped_gemm``'s "auto" then runs the call on its next backend instead of stopping
+    a training run (as a Megatron run on an H200 stopped, 2026-11-27, while ``plan`` queried with null scale
+    pointers: cublasStatus_t 7 for every shape)."""
 
 
 def _check(status: int, what: str) -> None:
@@ -145,14 +146,25 @@ class _Context:
             self.layouts[key] = lay
         return self.layouts[key]
 
-    def plan(self, modes: tuple[int, int], kk: int, mm: int, nn: int, a_dtype, b_dtype, d_dtype) -> tuple:
+    def set_scales(self, desc: ctypes.c_void_p, a_scale: int, b_scale: int) -> None:
+        """Point ``desc``'s A and B scale pointers at these addresses (the caller holds ``lock``)."""
+        self.a_scale.value, self.b_scale.value = a_scale, b_scale
+        if (self.lib.raw_set_attribute(desc, _A_SCALE_ATTR, self.a_scale_ref, _POINTER_BYTES)
+                or self.lib.raw_set_attribute(desc, _B_SCALE_ATTR, self.b_scale_ref, _POINTER_BYTES)):
+            raise RuntimeError("cuBLASLt could not set the descriptor's scale pointers")
+
+    def plan(self, modes: tuple[int, int], kk: int, mm: int, nn: int, a_dtype, b_dtype, d_dtype, a_scale: int,
+             b_scale: int) -> tuple:
         """(descriptor, layouts A ``[kk, mm]``, B ``[kk, nn]``, D ``[mm, nn]``, the address of cuBLAS's first
-        heuristic pick, the result holding it) for one expert's ``D = op_T(A) @ B``, found once per shape."""
+        heuristic pick, the result holding it) for one expert's ``D = op_T(A) @ B``, found once per shape (the
+        caller holds ``lock``). The heuristic refuses a block-scaled descriptor whose scale pointers are null
+        (cublasStatus_t 7, every shape, H100 and H200): they are set to the call's ``a_scale``/``b_scale`` first."""
         key = (modes, kk, mm, nn, a_dtype, b_dtype, d_dtype)
         if key in self.no_kernel:
             raise NoKernel(self.no_kernel[key])
         if key not in self.plans:
             desc = self.desc(modes)
+            self.set_scales(desc, a_scale, b_scale)
             la, lb, ld = self.layout(a_dtype, kk, mm), self.layout(b_dtype, kk, nn), self.layout(d_dtype, mm, nn)
             result, count = (ctypes.c_uint8 * _HEURISTIC_RESULT_BYTES)(), ctypes.c_int(0)
             status = self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, la, lb, ld, ld, self.pref, 1,
@@ -181,11 +193,9 @@ class _Context:
         """``D = op_T(A) @ B (+ D)`` at these addresses (the caller holds ``lock``), on ``launch``'s (stream,
         workspace)."""
         desc, la, lb, ld, algo, _ = plan
-        self.a_scale.value, self.b_scale.value, self.a.value, self.b.value, self.d.value = a_scale, b_scale, a, b, d
+        self.set_scales(desc, a_scale, b_scale)
+        self.a.value, self.b.value, self.d.value = a, b, d
         lib, stream, workspace = self.lib, launch[0], launch[1]
-        if (lib.raw_set_attribute(desc, _A_SCALE_ATTR, self.a_scale_ref, _POINTER_BYTES)
-                or lib.raw_set_attribute(desc, _B_SCALE_ATTR, self.b_scale_ref, _POINTER_BYTES)):
-            raise RuntimeError("cuBLASLt could not set the descriptor's scale pointers")
         _check(lib.raw_matmul(self.handle, desc, self.one, self.a, la, self.b, lb, beta, self.d, ld, self.d, ld, algo,
                               workspace, _WORKSPACE_SIZE, stream), "matmul")
 
@@ -222,7 +232,7 @@ def grouped_gemm(a: torch.Tensor, a_scale_em: torch.Tensor, b: torch.Tensor, b_s
     row_bytes, w_scale_bytes = n * out.element_size(), 4 * (n // 128) * ld
     lo, job = 0, 0
     with ctx.lock:  # the descriptor's scale pointers are this launch's until cublasLtMatmul has read them
-        plans = {size: ctx.plan((BLK128x128, VEC128), r, n, size, b.dtype, a.dtype, out.dtype)
+        plans = {size: ctx.plan((BLK128x128, VEC128), r, n, size, b.dtype, a.dtype, out.dtype, psb, psa)
                  for size in set(m_splits[:g]) if size}  # all first: NoKernel before any launch
         for e, size in enumerate(m_splits[:g]):
             if size:
@@ -255,7 +265,7 @@ def grouped_wgrad(a_t: torch.Tensor, a_scale_inv: torch.Tensor, b_t: torch.Tenso
     beta = ctx.one if accumulate else ctx.zero
     lo, job = 0, 0
     with ctx.lock:  # the descriptor's scale pointers are this launch's until cublasLtMatmul has read them
-        plans = {size: ctx.plan((VEC128, VEC128), size, k, n, b_t.dtype, a_t.dtype, out_dtype)
+        plans = {size: ctx.plan((VEC128, VEC128), size, k, n, b_t.dtype, a_t.dtype, out_dtype, sb, sa)
                  for size in set(m_splits) if size}  # all first: NoKernel before any launch
         for size, out_ptr in zip(m_splits, out_ptrs):
             if size:
