@@ -217,7 +217,7 @@ def test_gpu_tiny_gpt_trains_with_cuda_graphs_as_eager(world_of_one, fuse):
         config = _config(hidden_size=512, use_cpu_initialization=False, bf16=True)
         torch.manual_seed(3)
         model_parallel_cuda_manual_seed(3)
-        model = _gpt(config)  # drawn on the GPU, as Megatron draws
+        model = _gpt(config).cuda()  # drawn on the GPU; moved there as Megatron's get_model moves it
         if runs:  # the same model both times
             with torch.no_grad():
                 for name, p in model.named_parameters():
