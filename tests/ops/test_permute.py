@@ -286,6 +286,8 @@ def test_unpermute_backward_kernel_matches_reference():
          r"merging_probs must have shape \[4, 3\]"),
         (lambda x, rm, p: moe_unpermute(x, torch.zeros(4, 7, dtype=torch.int32), restore_shape=(2, 128)),
          ValueError, "restore_shape"),
+        (lambda x, rm, p: moe_unpermute(x, torch.zeros(4, 7, dtype=torch.int32), pad_offsets=torch.zeros(3)),
+         ValueError, r"pad_offsets must be the int64 \[num_experts=3\] tensor .*, got torch.float32 of shape \[3\]"),
         (lambda x, rm, p: topk_to_routing_map(torch.tensor([[0, 3]]), torch.ones(1, 2), 3), ValueError,
          r"outside \[-1, 3\)"),
         (lambda x, rm, p: topk_to_routing_map(torch.tensor([[1, 1]]), torch.ones(1, 2), 3), ValueError,
@@ -301,7 +303,8 @@ def test_unpermute_backward_kernel_matches_reference():
     ],
     ids=["int-inp", "1d-inp", "map-rows", "map-float", "probs-shape", "too-few-rows", "negative-rows",
          "align", "align-0", "tpe-none", "map-type-index", "map-type-bogus", "max-token-num", "unpermute-index",
-         "probs-twice", "tpe", "tpe-list", "tpe-list-len", "tpe-shape", "fp8-unpermute", "map-dtype", "merge-shape", "restore", "id-range", "id-twice",
+         "probs-twice", "tpe", "tpe-list", "tpe-list-len", "tpe-shape", "fp8-unpermute", "map-dtype", "merge-shape",
+         "restore", "pad-dtype", "id-range", "id-twice",
          "id-dtype", "rm-dtype", "rm-3d", "topk-range", "too-many", "rm-probs-shape"],
 )
 def test_bad_input_is_rejected_clearly(call, exc, match):
@@ -560,3 +563,141 @@ def test_unpermute_grad_quantize_is_checked():
             moe_unpermute(y, row_id_map, grad_quantize=bad)
     with pytest.raises(ValueError, match="grad_quantize needs merging_probs None"):
         moe_unpermute(y, row_id_map, probs, grad_quantize=QuantizeArgs())
+
+
+def test_a_map_written_through_data_drops_its_pairs_in_a_subprocess():
+    """A ``.data`` write moves no tensor version, so moe_unpermute took a written map (or pad_offsets) for its
+    permute call's own and skipped the bounds check, and permute's and unpermute's backward check nothing: the
+    Triton kernels read and wrote out of bounds (a segfault at row 10**8). Every kernel now masks each index it
+    loads, on the device: an entry out of range (huge, negative, one past the end) drops its pair, on both
+    backends alike: the token's output and gradients are zero, and so are its rows' gradients. A count out of
+    range is clamped to [0, E]. In a subprocess: a regression fails here instead of ending the suite."""
+    out = survives(f"""
+import torch
+from transformer_engine_moe import moe_permute_and_pad_with_probs, moe_unpermute
+from transformer_engine_moe.kernels import permute as kp
+from transformer_engine_moe.reference import permute as ref
+
+dev, T, E, H, R = {KERNEL_DEVICE!r}, 6, 3, 32, 12  # R: output rows, each expert's 2 tokens padded to 4
+torch.manual_seed(0)
+rm = torch.zeros(T, E, dtype=torch.bool, device=dev)
+rm[torch.arange(T), torch.arange(T) % E] = True  # top-1; expert 2 (pad_offsets 4): tokens 2, 5 at rows 8, 9
+x, probs, merge = torch.randn(T, H, device=dev), torch.rand(T, E, device=dev), torch.rand(T, E, device=dev)
+w_out, w_probs, dy = torch.randn(R, H, device=dev), torch.randn(R, device=dev), torch.randn(T, H, device=dev)
+
+def run(backend, what=None, index=None, value=None):
+    xl, pl = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    out, pprobs, rmap, pad, _ = moe_permute_and_pad_with_probs(xl, pl, rm, [2] * E, 4, backend=backend)
+    rows = rmap[:, 0].long() + pad[rmap[:, E].long()]
+    if what is not None:
+        (rmap if what == "map" else pad).data[index] = value
+    ((out * w_out).sum() + (pprobs * w_probs).sum()).backward()  # permute's backward: unpermute of the map
+    y1, m1, y2 = out.detach().requires_grad_(), merge.clone().requires_grad_(), out.detach().requires_grad_()
+    merged = moe_unpermute(y1, rmap, m1, pad_offsets=pad, backend=backend)
+    merged.backward(dy)  # unpermute_backward
+    summed = moe_unpermute(y2, rmap, pad_offsets=pad, backend=backend)
+    summed.backward(dy)  # a permute of dy
+    return rows, dict(gx=xl.grad, gprobs=pl.grad, merged=merged, gm=m1.grad, summed=summed), dict(gy1=y1.grad,
+                                                                                                 gy2=y2.grad)
+
+CASES = [("map", (2, 0), 10**8, [2]), ("map", (2, 0), -7, [2]), ("map", (2, 0), R - 4, [2]),
+         ("map", (2, E), 10**8, [2]), ("map", (2, E), -1, [2]), ("map", (2, E), E, [2]),
+         ("map", (2, 2 * E), 10**8, []), ("map", (2, 2 * E), -1, [2]),
+         ("pad", 2, 10**15, [2, 5]), ("pad", 2, -10**15, [2, 5]), ("pad", 2, R - 4, [2, 5])]
+for backend in ("triton", "reference"):
+    rows, clean_tok, clean_row = run(backend)
+    for what, index, value, dropped in CASES:
+        _, tok, row = run(backend, what, index, value)
+        for name, want in clean_tok.items():
+            want = want.clone()
+            want[dropped] = 0
+            assert torch.equal(tok[name], want), (backend, what, index, value, name)
+        for name, want in clean_row.items():
+            want = want.clone()
+            want[rows[dropped]] = 0
+            assert torch.equal(row[name], want), (backend, what, index, value, name)
+    print("dropped", backend)
+
+# the launchers on maps and pad_offsets of random entries, in range or not: the kernels read what the reference reads
+for seed in range(4):
+    g = torch.Generator().manual_seed(seed)
+    fz = torch.randint(-3, R + 3, (T, 2 * E + 1), generator=g, dtype=torch.int32)
+    fz[:, E:2 * E] = torch.randint(-2, E + 2, (T, E), generator=g, dtype=torch.int32)
+    fz[:, 2 * E] = torch.randint(-1, E + 2, (T,), generator=g, dtype=torch.int32)
+    fz, pad = fz.to(dev), torch.randint(-4, 8, (E,), generator=g).to(dev)
+    y = torch.randn(R, H, device=dev)
+    assert torch.equal(kp.unpermute(y, fz, merge, pad), ref.unpermute(y, fz, merge, pad)), seed
+print("fuzz")
+""")
+    assert out.split() == ["dropped", "triton", "dropped", "reference", "fuzz"]
+
+
+def _strided(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """``t`` (1-D or 2-D) as a non-contiguous view. "transposed": the transpose of its contiguous transpose
+    (same values; 1-D: as "sliced"); "sliced": every other row of a tensor twice as tall (same values, other
+    rows between); "expanded": row 0 broadcast (stride 0): other values, compared with its contiguous copy."""
+    if layout == "expanded":
+        return t[:1].expand(t.shape)
+    if layout == "transposed" and t.dim() == 2:
+        return t.t().contiguous().t()
+    raw = t.view(torch.uint8) if t.element_size() == 1 else t  # bool and FP8: stacked as bytes
+    return torch.stack([raw, raw.flip(0)], dim=1)[:, 0].view(t.dtype)
+
+
+def _views_equal_contiguous(op, args, layout, backend, exact=True):
+    """``op(*views, backend=backend)``'s tensor outputs and the gradients of its floating arguments (for
+    seeded output gradients, themselves views) equal the reference's on the views' contiguous copies: bitwise,
+    or (``exact`` False: the last gradient, merging probs' float32 dot products) within float32 rounding."""
+    views = [_strided(a, layout) for a in args]
+    results = []
+    for b, inputs in ((backend, views), ("reference", [v.contiguous() for v in views])):
+        leaves = [v.detach().requires_grad_() if v.is_floating_point() else v for v in inputs]
+        outs = op(*leaves, backend=b)
+        outs = [o for o in (outs if isinstance(outs, tuple) else (outs,)) if isinstance(o, torch.Tensor)]
+        diff = [o for o in outs if o.requires_grad]
+        gen = torch.Generator().manual_seed(0)
+        grads = [_strided(torch.randn(o.shape, generator=gen).to(o), layout) for o in diff]
+        grads = [g if inputs is views else g.contiguous() for g in grads]
+        results.append(outs + list(torch.autograd.grad(diff, [v for v in leaves if v.requires_grad], grads)))
+    got, want = results
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got[:-1], want[:-1]))
+    torch.testing.assert_close(got[-1], want[-1], rtol=0 if exact else 1e-5, atol=0 if exact else 1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "expanded"])
+def test_non_contiguous_arguments_equal_their_contiguous_copies(layout, backend):
+    """Every tensor argument of every permute op (inp, FP8 inp's data and scales, routing_map, probs, row_id_map,
+    merging_probs, pad_offsets) and the gradients backward receives, as a transposed, sliced or expanded view:
+    the result of the same values made contiguous, on the reference. The Triton path read wrong rows (max diff
+    4.96; NaN from an expanded inp) where the reference was right; its launchers now make views contiguous."""
+    t, e, h = 8, 4, 256
+    rm, probs = routing(t, e, 2)
+    x, merge = torch.randn(t, h, device=KERNEL_DEVICE), torch.rand(t, e, device=KERNEL_DEVICE)
+    _views_equal_contiguous(lambda x, rm, backend: moe_permute(x, rm, 2 * t, backend=backend), [x, rm], layout,
+                            backend)
+    _views_equal_contiguous(lambda x, p, rm, backend: moe_permute_with_probs(x, p, rm, 2 * t, backend=backend),
+                            [x, probs, rm], layout, backend)
+    _views_equal_contiguous(lambda x, p, rm, backend: moe_permute_and_pad_with_probs(x, p, rm, rm.sum(0), 4, 2 * t,
+                                                                                     backend=backend),
+                            [x, probs, rm], layout, backend)
+    y, _, rmap, pad, _ = moe_permute_and_pad_with_probs(x, probs, rm, rm.sum(0), 4, 2 * t, backend="reference")
+    y = torch.randn_like(y)  # "expert outputs"
+    _views_equal_contiguous(lambda y, rmap, m, pad, backend: moe_unpermute(y, rmap, m, pad_offsets=pad,
+                                                                           backend=backend),
+                            [y, rmap, merge, pad], layout, backend, exact=backend == "reference")
+    _views_equal_contiguous(lambda y, rmap, pad, backend: moe_unpermute(y, rmap, pad_offsets=pad, backend=backend),
+                            [y, rmap, pad], layout, backend)
+    # FP8 inp: its data unit-stride along H (the tensor's rule; a transposed layout is sliced), scales any view
+    q = quantize_blockwise(x.bfloat16())
+
+    def fp8(data, scale):
+        return Float8BlockwiseQTensor(shape=data.shape, dtype=torch.bfloat16, fp8_dtype=data.dtype,
+                                      force_pow_2_scales=True, rowwise_data=data, rowwise_scale_inv=scale)
+
+    data = _strided(q.rowwise_data, "sliced" if layout == "transposed" else layout)
+    scale = _strided(q.rowwise_scale_inv, layout)
+    got = moe_permute_and_pad_with_probs(fp8(data, scale), probs, rm, rm.sum(0), 4, 2 * t, backend=backend)
+    want = moe_permute_and_pad_with_probs(fp8(data.contiguous(), scale.contiguous()), probs, rm, rm.sum(0), 4, 2 * t,
+                                          backend="reference")
+    assert all(_same(a, b) for a, b in zip(got, want))

@@ -18,6 +18,11 @@
 
 Row data is moved as integers of the element size (bytes for FP8), never
 converted. No kernel needs a host copy of any count.
+
+The launchers take tensors of any strides (an expanded, sliced or transposed view is made
+contiguous, a copy only then) and no kernel reads or writes outside a tensor on any map:
+every index it loads is masked on the device against the tensor it addresses, an out-of-range
+map entry being a dropped pair (``_pair``, as ``reference.permute.pair_slots``).
 """
 
 from __future__ import annotations
@@ -108,48 +113,61 @@ def _row_id_map_kernel(
 
 
 @triton.jit
-def _pair(map_ptr, pad_ptr, t, j, E, valid, PADDED: tl.constexpr):
-    """Output row (int64, after padding) and expert of token t's j-th routed pair (j scalar or vector)."""
+def _count(map_ptr, t, E):
+    """Token t's pair count ``row_id_map[t, 2E]``, clamped to [0, E]: its slots never leave its map row."""
+    return tl.minimum(tl.maximum(tl.load(map_ptr + t * (2 * E + 1) + 2 * E), 0), E)
+
+
+@triton.jit
+def _pair(map_ptr, pad_ptr, t, j, n, E, R, PADDED: tl.constexpr):
+    """``(row, expert, ok)`` of token t's slot j (scalar or vector; n from ``_count``): its output row
+    (int64, after padding) and expert, and whether it is a pair: j < n, the expert in [0, E), the row >= 0
+    and the final row in [0, R) (``reference.permute.pair_slots``). Row and expert are 0 where not ok, so
+    every address formed from them is inside its tensor."""
     width = 2 * E + 1
-    row = tl.load(map_ptr + t * width + j, mask=valid, other=0).to(tl.int64)
-    expert = tl.load(map_ptr + t * width + E + j, mask=valid, other=0)
+    used = j < n
+    row = tl.load(map_ptr + t * width + j, mask=used, other=-1).to(tl.int64)
+    expert = tl.load(map_ptr + t * width + E + j, mask=used, other=-1)
+    ok = used & (expert >= 0) & (expert < E) & (row >= 0)
+    expert = tl.where(ok, expert, 0)
     if PADDED:
-        row += tl.load(pad_ptr + expert, mask=valid, other=0)
-    return row, expert
+        row += tl.load(pad_ptr + expert, mask=ok, other=0).to(tl.int64)
+    ok = ok & (row >= 0) & (row < R)
+    return tl.where(ok, row, 0), expert, ok
 
 
 @triton.jit
 def _permute_kernel(
     x_ptr, map_ptr, pad_ptr, probs_ptr, s_ptr,
     out_ptr, out_probs_ptr, out_s_ptr, occupied_ptr,
-    H, E, S,
+    H, E, S, R,
     PADDED: tl.constexpr, HAS_PROBS: tl.constexpr, HAS_SCALES: tl.constexpr,
     E_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Token t, hidden chunk -> its row of each routed expert; chunk 0 also moves scales and probs
-    and marks the rows occupied."""
+    """Token t, hidden chunk -> its row of each routed expert (of the R output rows); chunk 0 also moves
+    scales and probs and marks the rows occupied."""
     t = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     h = chunk * BLOCK_H + tl.arange(0, BLOCK_H)
     x = tl.load(x_ptr + t * H + h, mask=h < H)
-    width = 2 * E + 1
-    n = tl.load(map_ptr + t * width + 2 * E)
+    n = _count(map_ptr, t, E)
     slot = tl.arange(0, E_PAD)
-    rows, experts = _pair(map_ptr, pad_ptr, t, slot, E, slot < n, PADDED)
+    rows, experts, ok = _pair(map_ptr, pad_ptr, t, slot, n, E, R, PADDED)
     first = chunk == 0
     if first:
-        tl.store(occupied_ptr + rows, tl.full([E_PAD], 1, tl.int8), mask=slot < n)
+        tl.store(occupied_ptr + rows, tl.full([E_PAD], 1, tl.int8), mask=ok)
         if HAS_PROBS:
-            tl.store(out_probs_ptr + rows, tl.load(probs_ptr + t * E + experts, mask=slot < n), mask=slot < n)
+            tl.store(out_probs_ptr + rows, tl.load(probs_ptr + t * E + experts, mask=ok), mask=ok)
     if HAS_SCALES:
         sj = tl.arange(0, S_PAD)
         scales = tl.load(s_ptr + t * S + sj, mask=(sj < S) & first)
     j = 0
     while j < n:  # while loops: Triton's interpreter cannot range() over run-time values
         row = tl.sum(tl.where(slot == j, rows, 0), axis=0)
-        tl.store(out_ptr + row * H + h, x, mask=h < H)
+        pair = tl.sum(tl.where((slot == j) & ok, 1, 0), axis=0) > 0
+        tl.store(out_ptr + row * H + h, x, mask=(h < H) & pair)
         if HAS_SCALES:
-            tl.store(out_s_ptr + row * S + sj, scales, mask=(sj < S) & first)
+            tl.store(out_s_ptr + row * S + sj, scales, mask=(sj < S) & first & pair)
         j += 1
 
 
@@ -181,36 +199,34 @@ def _fill_kernel(
 
 @triton.jit
 def _unpermute_kernel(
-    x_ptr, map_ptr, pad_ptr, probs_ptr, out_ptr, H, E,
+    x_ptr, map_ptr, pad_ptr, probs_ptr, out_ptr, H, E, R,
     PADDED: tl.constexpr, HAS_PROBS: tl.constexpr, SOFTWARE_CAST: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """out[t, chunk] = sum over t's experts (ascending) of prob * x[row], float32, cast once."""
+    """out[t, chunk] = sum over t's pairs (ascending) of prob * x[row] (x: R rows), float32, cast once."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    width = 2 * E + 1
-    n = tl.load(map_ptr + t * width + 2 * E)
+    n = _count(map_ptr, t, E)
     acc = tl.zeros([BLOCK_H], tl.float32)
     j = 0
     while j < n:
-        row, expert = _pair(map_ptr, pad_ptr, t, j, E, j < n, PADDED)
-        term = to_float(tl.load(x_ptr + row * H + h, mask=h < H, other=0.0), SOFTWARE_CAST)
+        row, expert, ok = _pair(map_ptr, pad_ptr, t, j, n, E, R, PADDED)
+        term = to_float(tl.load(x_ptr + row * H + h, mask=(h < H) & ok, other=0.0), SOFTWARE_CAST)
         if HAS_PROBS:
-            term = term * to_float(tl.load(probs_ptr + t * E + expert), SOFTWARE_CAST)
-        acc = acc + term
+            term = term * to_float(tl.load(probs_ptr + t * E + expert, mask=ok, other=0.0), SOFTWARE_CAST)
+        acc = tl.where(ok, acc + term, acc)
         j += 1
     tl.store(out_ptr + t * H + h, cast_for_store(acc, out_ptr.dtype.element_ty, SOFTWARE_CAST), mask=h < H)
 
 
 @triton.jit
 def _unpermute_backward_kernel(
-    g_ptr, x_ptr, map_ptr, pad_ptr, probs_ptr, dx_ptr, dprobs_ptr, occupied_ptr, H, E,
+    g_ptr, x_ptr, map_ptr, pad_ptr, probs_ptr, dx_ptr, dprobs_ptr, occupied_ptr, H, E, R,
     PADDED: tl.constexpr, SOFTWARE_CAST: tl.constexpr, E_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Token t: dx[row(t, e)] = g[t] * p[t, e]; dprobs[t, e] = <x[row(t, e)], g[t]> (float32);
-    the rows are marked occupied."""
+    the rows (R, of dx and of x) are marked occupied."""
     t = tl.program_id(0).to(tl.int64)
-    width = 2 * E + 1
-    n = tl.load(map_ptr + t * width + 2 * E)
+    n = _count(map_ptr, t, E)
     slots = tl.arange(0, E_PAD)
     dots = tl.zeros([E_PAD], tl.float32)
     h0 = 0
@@ -219,22 +235,29 @@ def _unpermute_backward_kernel(
         g = to_float(tl.load(g_ptr + t * H + h, mask=h < H, other=0.0), SOFTWARE_CAST)
         j = 0
         while j < n:
-            row, expert = _pair(map_ptr, pad_ptr, t, j, E, j < n, PADDED)
-            p = to_float(tl.load(probs_ptr + t * E + expert), SOFTWARE_CAST)
-            tl.store(occupied_ptr + row, 1)
+            row, expert, ok = _pair(map_ptr, pad_ptr, t, j, n, E, R, PADDED)
+            p = to_float(tl.load(probs_ptr + t * E + expert, mask=ok, other=0.0), SOFTWARE_CAST)
+            tl.store(occupied_ptr + row, 1, mask=ok)
             tl.store(dx_ptr + row * H + h, cast_for_store(g * p, dx_ptr.dtype.element_ty, SOFTWARE_CAST),
-                     mask=h < H)
-            x = to_float(tl.load(x_ptr + row * H + h, mask=h < H, other=0.0), SOFTWARE_CAST)
+                     mask=(h < H) & ok)
+            x = to_float(tl.load(x_ptr + row * H + h, mask=(h < H) & ok, other=0.0), SOFTWARE_CAST)
             dots += tl.where(slots == j, tl.sum(x * g, axis=0), 0.0)
             j += 1
         h0 += BLOCK_H
-    experts = tl.load(map_ptr + t * width + E + slots, mask=slots < n, other=0)
-    tl.store(dprobs_ptr + t * E + experts, dots, mask=slots < n)
+    _, experts, ok = _pair(map_ptr, pad_ptr, t, slots, n, E, R, PADDED)
+    tl.store(dprobs_ptr + t * E + experts, dots, mask=ok)
+
+
+def _dense(*tensors):
+    """The tensors (None passes) contiguous, as every kernel here addresses them: a copy only of a view
+    with other strides (expanded, sliced, transposed)."""
+    return tuple(t.contiguous() if t is not None else None for t in tensors)
 
 
 def routing_layout(routing_map: torch.Tensor, align_size: int):
     """``routing_map [T, E]`` bool -> ``(row_id_map [T, 2E+1] int32, tokens_per_expert [E] int64,
     pad_offsets [E] int64, padded_tokens_per_expert [E] int64)``; four small launches, no host sync."""
+    (routing_map,) = _dense(routing_map)
     t, e = routing_map.shape
     dev = routing_map.device
     e_pad = triton.next_power_of_2(e)
@@ -277,6 +300,7 @@ def fill(out, out_probs, out_scale, occupied):
 def permute(x, row_id_map, capacity, pad_offsets=None, probs=None, scale_inv=None, config=None):
     """Rows of ``x [T, H]`` to their expert-major rows of ``[capacity, H]``, with ``scale_inv [T, S]`` and
     ``probs [T, E]``; every other row is zero (scale_inv 1, prob 0). Returns ``(out, out_probs, out_scale)``."""
+    x, row_id_map, pad_offsets, probs, scale_inv = _dense(x, row_id_map, pad_offsets, probs, scale_inv)
     t, hsize = x.shape
     e = (row_id_map.shape[1] - 1) // 2
     out = torch.empty((capacity, hsize), dtype=x.dtype, device=x.device)
@@ -294,7 +318,7 @@ def permute(x, row_id_map, capacity, pad_offsets=None, probs=None, scale_inv=Non
             probs if probs is not None else dummy, scale_inv if scale_inv is not None else dummy,
             as_int(out), out_probs if out_probs is not None else dummy,
             out_scale if out_scale is not None else dummy, occupied,
-            hsize, e, s,
+            hsize, e, s, capacity,
             PADDED=pad_offsets is not None, HAS_PROBS=probs is not None, HAS_SCALES=scale_inv is not None,
             E_PAD=triton.next_power_of_2(e), S_PAD=triton.next_power_of_2(s), BLOCK_H=block_h, num_warps=num_warps,
         )
@@ -304,6 +328,7 @@ def permute(x, row_id_map, capacity, pad_offsets=None, probs=None, scale_inv=Non
 
 def unpermute(x, row_id_map, merging_probs=None, pad_offsets=None, config=None):
     """``[T, H]``: per token, the float32 sum over its experts' rows of ``x`` (times ``merging_probs``)."""
+    x, row_id_map, merging_probs, pad_offsets = _dense(x, row_id_map, merging_probs, pad_offsets)
     t, e = row_id_map.shape[0], (row_id_map.shape[1] - 1) // 2
     hsize = x.shape[1]
     out = torch.empty((t, hsize), dtype=x.dtype, device=x.device)
@@ -313,7 +338,7 @@ def unpermute(x, row_id_map, merging_probs=None, pad_offsets=None, config=None):
         dummy = x.new_empty(0)
         _unpermute_kernel[(t, triton.cdiv(hsize, block_h))](
             x, row_id_map, pad_offsets if pad_offsets is not None else dummy,
-            merging_probs if merging_probs is not None else dummy, out, hsize, e,
+            merging_probs if merging_probs is not None else dummy, out, hsize, e, x.shape[0],
             PADDED=pad_offsets is not None, HAS_PROBS=merging_probs is not None,
             SOFTWARE_CAST=use_software_cast(x), BLOCK_H=block_h, num_warps=num_warps,
             enable_fp_fusion=False,  # one rounding per multiply and per add, as the reference
@@ -323,7 +348,9 @@ def unpermute(x, row_id_map, merging_probs=None, pad_offsets=None, config=None):
 
 def unpermute_backward(grad, x, row_id_map, merging_probs, capacity, pad_offsets=None):
     """``(dx [capacity, H], dprobs [T, E])`` of ``unpermute`` with merging probs; rows of ``dx`` no pair
-    lands on are zero; dprobs is float32 (0 where not routed)."""
+    lands on are zero; dprobs is float32 (0 where not routed). A pair's row must be a row of both ``dx`` and
+    ``x`` (``min(capacity, x.shape[0])``, as the reference)."""
+    grad, x, row_id_map, merging_probs, pad_offsets = _dense(grad, x, row_id_map, merging_probs, pad_offsets)
     t, e = row_id_map.shape[0], (row_id_map.shape[1] - 1) // 2
     hsize = grad.shape[1]
     dx = torch.empty((capacity, hsize), dtype=grad.dtype, device=grad.device)
@@ -333,7 +360,8 @@ def unpermute_backward(grad, x, row_id_map, merging_probs, capacity, pad_offsets
         dummy = grad.new_empty(0)
         _unpermute_backward_kernel[(t,)](
             grad, x, row_id_map, pad_offsets if pad_offsets is not None else dummy, merging_probs, dx, dprobs,
-            occupied, hsize, e, PADDED=pad_offsets is not None, SOFTWARE_CAST=use_software_cast(grad),
+            occupied, hsize, e, min(capacity, x.shape[0]), PADDED=pad_offsets is not None,
+            SOFTWARE_CAST=use_software_cast(grad),
             E_PAD=triton.next_power_of_2(e), BLOCK_H=min(1024, triton.next_power_of_2(hsize)), num_warps=4,
             enable_fp_fusion=False,
         )

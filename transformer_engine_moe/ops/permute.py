@@ -6,6 +6,13 @@ Layouts (``row_id_map``, ``pad_offsets``, capacities) are described in
 valid rows of a padded output are ``padded_tokens_per_expert.sum()``, of an
 unpadded one ``routing_map.sum()``; every other row is zero (FP8: zero bytes,
 scale_inv 1; probs 0).
+
+Tensor arguments may have any strides, on both backends (the kernels' launchers make an expanded,
+sliced or transposed view contiguous: a copy only then). A row map or ``pad_offsets`` out of
+range is refused by ``moe_unpermute`` when it checks the map (``_check_map_rows``); one that
+escapes the check (written through ``.data``, which moves no version, or reaching a backward) is
+read as the reference's ``pair_slots`` reads it: an entry out of range is a dropped pair, never an
+index outside a tensor.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 from ..backend import Implementation, implementation
 from ..layout import check_on_device, m_splits_tensor
 from ..recipe import HIGH_PRECISION_DTYPES
+from ..reference.permute import pair_slots
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from .quantize import QuantizeArgs, quantize_in_function
 
@@ -37,7 +45,7 @@ def _check_inp(inp, name="inp") -> torch.Tensor:
         raise TypeError(f"{name} must be bf16/fp16/fp32 or a Float8BlockwiseQTensor, got {inp.dtype}")
     if inp.dim() != 2:
         raise ValueError(f"{name} must be 2-D [num_tokens, hidden], got shape {list(inp.shape)}")
-    return inp.contiguous()
+    return inp
 
 
 def _check_routing(routing_map, num_tokens: int, device) -> torch.Tensor:
@@ -94,8 +102,8 @@ def _check_row_id_map(row_id_map) -> int:
 
 def _check_map_rows(row_id_map: torch.Tensor, pad_offsets: Optional[torch.Tensor], num_rows: int, op: str) -> None:
     """Each token's first n entries (n = ``row_id_map[t, 2E]``) name an expert in ``[0, E)`` and a row that,
-    plus the expert's padding, lies in ``[0, num_rows)``; the other entries are -1 (``check_on_device``: the
-    kernels and the reference index ``inp`` with them)."""
+    plus the expert's padding, lies in ``[0, num_rows)``; the other entries are -1 (``check_on_device``: a
+    loud error where the kernels and the reference would silently drop such a pair, ``pair_slots``)."""
     e = (row_id_map.shape[1] - 1) // 2
     rows, experts, n = row_id_map[:, :e].long(), row_id_map[:, e:2 * e].long(), row_id_map[:, 2 * e:].long()
     slot = torch.arange(e, device=row_id_map.device) < n
@@ -135,21 +143,16 @@ class _Permute(torch.autograd.Function):
         row_id_map, pad_offsets = ctx.saved_tensors
         grad_inp = None
         if ctx.needs_input_grad[0]:
-            grad_inp = ctx.impl.unpermute(
-                grad_out.contiguous(), row_id_map, None, pad_offsets
-            )
+            grad_inp = ctx.impl.unpermute(grad_out, row_id_map, None, pad_offsets)
         grad_in_probs = None
         if ctx.needs_input_grad[1] and grad_probs is not None:
             shape, dtype = ctx.probs_meta
-            e = shape[1]
-            rows, experts = row_id_map[:, :e].long(), row_id_map[:, e : 2 * e].long()
-            valid = rows >= 0
-            final = rows.clamp(min=0) + (pad_offsets[experts.clamp(min=0)] if pad_offsets is not None else 0)
-            # unrouted pairs read an appended zero (also when no row was routed: grad_probs is then empty)
+            valid, experts, final = pair_slots(row_id_map, pad_offsets, grad_probs.shape[0])
+            # slots that are no pair read an appended zero (also when no row was routed: grad_probs is empty)
             padded_grad = torch.cat([grad_probs, grad_probs.new_zeros(1)])
             picked = padded_grad[torch.where(valid, final, grad_probs.shape[0])]
             grad_in_probs = torch.zeros(shape, dtype=grad_probs.dtype, device=grad_probs.device)
-            grad_in_probs.scatter_add_(1, experts.clamp(min=0), picked)
+            grad_in_probs.scatter_add_(1, experts, picked)
             grad_in_probs = grad_in_probs.to(dtype)
         return grad_inp, grad_in_probs, None, None, None, None
 
@@ -234,7 +237,7 @@ def _same_call(rec: Optional[_MapRecord], pad_offsets: Optional[torch.Tensor], n
 def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_expert, backend, op):
     x = _check_inp(inp)
     num_tokens = x.shape[0]
-    routing_map = _check_routing(routing_map, num_tokens, x.device).contiguous()
+    routing_map = _check_routing(routing_map, num_tokens, x.device)
     num_experts = routing_map.shape[1]
     probs = _check_probs(probs, (num_tokens, num_experts), x.device)
     _check_count(num_out_tokens, "num_out_tokens")
@@ -356,6 +359,9 @@ def moe_unpermute(
     Float32 accumulation in ascending expert order, one cast to ``inp``'s dtype.
     Returns ``[T, H]``, or ``restore_shape``. TransformerEngine's signature: ``map_type``
     must be ``'mask'``; ``probs`` is its deprecated name of ``merging_probs`` (a warning).
+    A ``row_id_map`` or ``pad_offsets`` naming rows outside ``inp`` raises (a device-side assert on the GPU);
+    one written through ``.data`` after its permute escapes that check, and its out-of-range entries are
+    dropped pairs (zero contribution and gradients; module doc), never reads outside ``inp``.
 
     ``grad_quantize`` (no ``merging_probs``): 1x128 rowwise ``QuantizeArgs`` with ``amax_epsilon`` 0 (e.g. the
     consuming ``GroupedLinear``'s ``quantizers[Role.GRAD].args``): backward quantizes the incoming gradient once
@@ -384,8 +390,13 @@ def moe_unpermute(
     num_tokens = row_id_map.shape[0]
     merging_probs = _check_probs(merging_probs, (num_tokens, num_experts), inp.device, "merging_probs")
     if pad_offsets is not None and (not isinstance(pad_offsets, torch.Tensor)
-                                    or tuple(pad_offsets.shape) != (num_experts,)):
-        raise ValueError(f"pad_offsets must be the [num_experts={num_experts}] tensor the padded permute returned")
+                                    or tuple(pad_offsets.shape) != (num_experts,)
+                                    or pad_offsets.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"pad_offsets must be the int64 [num_experts={num_experts}] tensor the padded permute "
+                         f"returned, got {getattr(pad_offsets, 'dtype', type(pad_offsets).__name__)} of shape "
+                         f"{list(getattr(pad_offsets, 'shape', []))}")
+    if pad_offsets is not None and pad_offsets.device != inp.device:
+        raise ValueError(f"pad_offsets is on {pad_offsets.device}, inp on {inp.device}")
     if restore_shape is not None:
         restore_shape = torch.Size(restore_shape)
         if restore_shape.numel() != num_tokens * inp.shape[1] or restore_shape[-1] != inp.shape[1]:

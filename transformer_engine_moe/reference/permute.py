@@ -13,6 +13,13 @@ Terms, for T tokens, E experts, hidden size H:
   is ``row + pad_offsets[e]``.
 * Outputs have ``capacity`` rows; rows that no pair lands on (padding between
   experts, slack at the end) hold zeros (FP8: zero bytes, scale_inv 1; probs 0).
+* A map entry out of range is a dropped pair, here and in the kernels alike (``pair_slots``):
+  token t's slot j is a pair only if ``j < n`` (n clamped to ``[0, E]``), its expert lies in
+  ``[0, E)``, its row is >= 0 and its final row lies in the rows of the tensor it addresses.
+  A dropped pair is not written (its row stays zero unless another pair lands there) and adds
+  nothing to its token's merge or gradients. ``moe_unpermute`` refuses such a map by name when
+  it checks it; a map written through ``.data`` (no version bump) reaches the launchers, which
+  never index outside a tensor.
 
 Merges (unpermute) accumulate in float32 in ascending expert order, one
 rounding per multiply and per add, then cast once to the output dtype.
@@ -54,13 +61,23 @@ def routing_layout(routing_map: torch.Tensor, align_size: int):
     return (make_row_id_map(routing_map), counts) + padding(counts, align_size)
 
 
-def _pairs(row_id_map: torch.Tensor, pad_offsets: Optional[torch.Tensor]):
-    """(token, expert, final row) of every routed pair, in token-major, ascending-expert order."""
+def pair_slots(row_id_map: torch.Tensor, pad_offsets: Optional[torch.Tensor], num_rows: int):
+    """``(valid, expert, final)``, each ``[T, E]``: whether token t's slot j is a pair (module doc: j < n,
+    expert in ``[0, E)``, row >= 0, final row in ``[0, num_rows)``), its expert and its final row (row +
+    ``pad_offsets[expert]``); expert and final are 0 where not valid, so they index any tensor safely."""
     e = (row_id_map.shape[1] - 1) // 2
-    rows, experts = row_id_map[:, :e].long(), row_id_map[:, e : 2 * e].long()
-    valid = rows >= 0
-    token = torch.arange(row_id_map.shape[0], device=row_id_map.device)[:, None].expand_as(rows)
-    final = rows + (pad_offsets[experts.clamp(min=0)] if pad_offsets is not None else 0)
+    rows, experts, n = row_id_map[:, :e].long(), row_id_map[:, e : 2 * e].long(), row_id_map[:, 2 * e :].long()
+    valid = (torch.arange(e, device=row_id_map.device) < n) & (experts >= 0) & (experts < e) & (rows >= 0)
+    experts = torch.where(valid, experts, 0)
+    final = rows + (pad_offsets.long()[experts] if pad_offsets is not None else 0)
+    valid &= (final >= 0) & (final < num_rows)
+    return valid, torch.where(valid, experts, 0), torch.where(valid, final, 0)
+
+
+def _pairs(row_id_map: torch.Tensor, pad_offsets: Optional[torch.Tensor], num_rows: int):
+    """(token, expert, final row) of every pair (``pair_slots``), in token-major, ascending-slot order."""
+    valid, experts, final = pair_slots(row_id_map, pad_offsets, num_rows)
+    token = torch.arange(row_id_map.shape[0], device=row_id_map.device)[:, None].expand_as(valid)
     return token[valid], experts[valid], final[valid]
 
 
@@ -75,7 +92,7 @@ def permute(
     """Move rows of ``x [T, H]`` (any dtype, FP8 included: bytes are copied) to their expert-major
     rows of a ``[capacity, H]`` output; ``scale_inv [T, S]`` rows and ``probs [T, E]`` entries move
     with them. Returns ``(out, out_probs or None, out_scale_inv or None)``."""
-    token, expert, final = _pairs(row_id_map, pad_offsets)
+    token, expert, final = _pairs(row_id_map, pad_offsets, capacity)
     out = torch.zeros((capacity, x.shape[1]), dtype=x.dtype, device=x.device)
     if x.dtype.itemsize == 1 and x.is_floating_point():  # FP8: move the bytes
         out.view(torch.uint8)[final] = x.view(torch.uint8)[token]
@@ -99,21 +116,16 @@ def unpermute(
 ) -> torch.Tensor:
     """``out[t] = sum_e merging_probs[t, e] * x[row(t, e)]`` over t's routed experts (no probs:
     plain sum), float32 accumulation in ascending expert order, cast to ``x``'s dtype. ``[T, H]``."""
-    t_count, e = row_id_map.shape[0], (row_id_map.shape[1] - 1) // 2
-    rows, experts = row_id_map[:, :e].long(), row_id_map[:, e : 2 * e].long()
-    acc = torch.zeros((t_count, x.shape[1]), dtype=torch.float32, device=x.device)
-    tokens = torch.arange(t_count, device=x.device)
-    for j in range(e):  # slot j: the j-th routed expert of every token
-        valid = rows[:, j] >= 0
-        if not bool(valid.any()):
-            break
-        final = rows[:, j].clamp(min=0)
-        if pad_offsets is not None:
-            final = final + pad_offsets[experts[:, j].clamp(min=0)]
-        term = x[final].float()
+    valid, experts, final = pair_slots(row_id_map, pad_offsets, x.shape[0])
+    acc = torch.zeros((row_id_map.shape[0], x.shape[1]), dtype=torch.float32, device=x.device)
+    tokens = torch.arange(row_id_map.shape[0], device=x.device)
+    for j, used in enumerate(valid.any(0).tolist()):  # slot j: the j-th routed expert of every token
+        if not used:
+            continue
+        term = x[final[:, j]].float()
         if merging_probs is not None:
-            term = term * merging_probs[tokens, experts[:, j].clamp(min=0)].float()[:, None]
-        acc = torch.where(valid[:, None], acc + term, acc)
+            term = term * merging_probs[tokens, experts[:, j]].float()[:, None]
+        acc = torch.where(valid[:, j, None], acc + term, acc)
     return acc.to(x.dtype)
 
 
@@ -127,8 +139,9 @@ def unpermute_backward(
 ):
     """Gradients of ``unpermute`` with merging probs: ``dinp [capacity, H]`` (``grad[t] * p[t, e]``
     at row(t, e), cast to ``grad``'s dtype; zeros elsewhere) and ``dprobs [T, E]``
-    (``sum_h x[row(t, e), h] * grad[t, h]``, float32, 0 where not routed)."""
-    token, expert, final = _pairs(row_id_map, pad_offsets)
+    (``sum_h x[row(t, e), h] * grad[t, h]``, float32, 0 where not routed). A pair's row must be a row of
+    both ``dinp`` and ``x`` (``min(capacity, x.shape[0])``; the two are equal from ``moe_unpermute``)."""
+    token, expert, final = _pairs(row_id_map, pad_offsets, min(capacity, x.shape[0]))
     dinp = torch.zeros((capacity, grad.shape[1]), dtype=grad.dtype, device=grad.device)
     p = merging_probs[token, expert].float()
     dinp[final] = (grad[token].float() * p[:, None]).to(grad.dtype)
