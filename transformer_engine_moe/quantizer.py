@@ -44,7 +44,11 @@ class Float8BlockQuantizer:
         cls, recipe: FP8FlowRecipe, role: Role, *, rowwise: bool = True, columnwise: bool = False,
         backend: str = "auto",
     ) -> "Float8BlockQuantizer":
-        """The quantizer ``recipe`` prescribes for tensors of ``role``."""
+        """The quantizer ``recipe`` prescribes for tensors of ``role`` (a ``Role`` or its string, ``"input"``,
+        ``"weight"`` or ``"grad"``; another is refused by name): E5M2 gradients with ``Format.HYBRID``."""
+        if not isinstance(recipe, FP8FlowRecipe):
+            raise TypeError(f"recipe must be an FP8FlowRecipe, got {type(recipe).__name__}")
+        role = Role.parse(role)
         return cls(
             recipe.fp8_dtype(role),
             rowwise=rowwise,

@@ -67,11 +67,25 @@ class Format(enum.Enum):
 
 
 class Role(enum.Enum):
-    """What a quantized tensor is, which fixes its FP8 dtype and block shape."""
+    """What a quantized tensor is, which fixes its FP8 dtype and block shape.
+
+    Taken as a member or its string (``"input"``, ``"weight"``, ``"grad"``: ``Role.parse``) wherever a role is.
+    """
 
     INPUT = "input"  # activations entering a GEMM: 1x128
     WEIGHT = "weight"  # expert weights: 128x128
     GRAD = "grad"  # output gradients entering dgrad/wgrad: 1x128
+
+    @classmethod
+    def parse(cls, role, name: str = "role") -> "Role":
+        """``role`` (a member or its string) as a member; ValueError naming ``name`` otherwise (a lookup, as
+        ``BlockShape.parse``: traceable by Dynamo)."""
+        if isinstance(role, cls):
+            return role
+        member = cls._value2member_map_.get(role) if isinstance(role, str) else None
+        if member is None:
+            raise ValueError(f"{name} must be a Role or one of {[r.value for r in cls]}, got {role!r}")
+        return member
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +113,9 @@ class FP8FlowRecipe:
         check_amax_epsilon(self.amax_epsilon)
 
     def fp8_dtype(self, role: Role) -> torch.dtype:
-        """The torch FP8 dtype for tensors of ``role``."""
-        if role is Role.GRAD and self.fp8_format is Format.HYBRID:
+        """The torch FP8 dtype for tensors of ``role`` (a ``Role`` or its string): E5M2 for gradients with
+        ``Format.HYBRID`` (TransformerEngine's convention), else E4M3."""
+        if Role.parse(role) is Role.GRAD and self.fp8_format is Format.HYBRID:
             return torch.float8_e5m2
         return torch.float8_e4m3fn
 
@@ -111,8 +126,8 @@ class FP8FlowRecipe:
 
     @staticmethod
     def block(role: Role) -> BlockShape:
-        """The block shape for tensors of ``role``: 128x128 for weights, else 1x128."""
-        return BlockShape.TILE_128x128 if role is Role.WEIGHT else BlockShape.ROW_1x128
+        """The block shape for tensors of ``role`` (a ``Role`` or its string): 128x128 for weights, else 1x128."""
+        return BlockShape.TILE_128x128 if Role.parse(role) is Role.WEIGHT else BlockShape.ROW_1x128
 
 
 def check_amax_epsilon(amax_epsilon) -> None:
