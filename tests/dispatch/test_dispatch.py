@@ -416,6 +416,14 @@ def test_get_dispatcher_names_and_arguments(world_of_one):
     assert grad_dtype == torch.float8_e5m2
 
 
+@pytest.mark.parametrize("name", ["local", "alltoall", "deepep"])
+def test_ep_group_must_be_a_process_group(name):
+    """Checked by name at construction, before the group is asked for its size (an AttributeError) and before
+    torch.distributed or DeepEP are needed."""
+    with pytest.raises(TypeError, match="ep_group must be None or a torch.distributed.ProcessGroup .* got str 'world'"):
+        get_dispatcher(name, "world", num_experts=4)
+
+
 def test_deepep_runs_before_host_wait_after_its_dispatch(world_of_one, monkeypatch):
     """DeepEP's dispatch makes its communication stream wait for the caller's, then waits on the host for its
     counts: ``before_host_wait`` runs after that dispatch (GPU work queued before it would lengthen the wait),

@@ -1,6 +1,8 @@
 """GroupedLinear: forward and gradients vs float32 math on the dequantized operands and vs BF16 nn.Linear per
 expert; FP8 input; zero-row experts; list vs tensor splits; main_grad fusion; FP8 weight cache; bad inputs; GPU sync."""
 
+import re
+
 import pytest
 import torch
 
@@ -536,6 +538,40 @@ def test_bad_input_is_rejected_clearly(make, call, exc, match):
     with pytest.raises(exc, match=match):
         gl = make() if make else GroupedLinear(2, 128, 128)
         call(gl)
+
+
+BAD_MAIN_GRADS = {  # kind -> (main_grad for a weight parameter of ``shape``, exception, what the message says it got)
+    "shape": (lambda shape: torch.zeros(*shape[:-1], 64), ValueError, lambda shape: rf"{[*shape[:-1], 64]} on cpu"),
+    "dtype": (lambda shape: torch.zeros(shape, dtype=torch.int32), TypeError, lambda _: "Tensor of dtype torch.int32"),
+    "device": (lambda shape: torch.zeros(shape, device="meta"), ValueError, lambda shape: rf"{list(shape)} on meta"),
+    "list": (lambda _: [0.0], TypeError, lambda _: "list"),
+}
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["per-expert", "single"])
+@pytest.mark.parametrize("kind", list(BAD_MAIN_GRADS))
+def test_wrong_main_grad_is_named_in_forward(kind, single):
+    """Under fuse_wgrad_accumulation a main_grad that backward could not write into (shape, dtype, device, not a
+    tensor) is refused in forward, naming the weight (it used to pass forward and fail in backward)."""
+    make, exc, got = BAD_MAIN_GRADS[kind]
+    gl = GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=True, single_grouped_weight=single)
+    (name, first), *others = gl._weight_names()
+    first.main_grad = make(first.shape)
+    for _, w in others:
+        w.main_grad = torch.zeros(w.shape)
+    expected = f"a bf16/fp16/fp32 tensor {list(first.shape)} on cpu"
+    with pytest.raises(exc, match=re.escape(f"{name}.main_grad must be {expected}") + ".*, got " + re.escape(
+            got(first.shape))):
+        gl(torch.randn(4, 128), [2, 2])
+    with torch.no_grad():  # no backward, main_grad unread: not checked
+        gl(torch.randn(4, 128), [2, 2])
+
+
+def test_init_method_must_be_callable():
+    with pytest.raises(TypeError, match=r"init_method must be None or a callable .* got 0\.02"):
+        GroupedLinear(2, 128, 128, init_method=0.02)
+    gl = GroupedLinear(2, 128, 128, init_method=torch.nn.init.zeros_)
+    assert all((w == 0).all() for w in gl.weights)
 
 
 @requires_cuda

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from baselines import BF16LoopMoE
 from conftest import assert_no_host_sync, free_port, requires_cuda
+from transformer_engine_moe import quantize_blockwise
 from transformer_engine_moe.module import FP8FlowMoE
 from utils import saved_activation_bytes
 
@@ -298,9 +299,9 @@ def test_routing_corner_cases(case):
         (dict(precision="bf16"), None, TypeError, "unexpected keyword argument 'precision'"),
         (dict(recompute="moe_mlp"), None, ValueError, "recompute must be None or 'moe_expert'"),
         ({}, lambda m: m.forward_topk(torch.randn(4, 128).bfloat16(), *batch(0, t=4)[1:]), ValueError,
-         "256 features"),
+         r"hidden must have shape \[T, H=256\], got \[4, 128\]"),
         ({}, lambda m: m.forward_topk(torch.randn(4, H).bfloat16(), torch.zeros(4, 3, dtype=torch.long), torch.rand(4, 3)),
-         ValueError, r"topk_ids must be \[T, topk=2\]"),
+         ValueError, r"topk_ids must have shape \[T=4, topk=2\], got \[4, 3\]"),
         (dict(align_size=0), None, ValueError, "align_size must be a positive int"),
         (dict(align_size=128.0), None, ValueError, "align_size must be a positive int"),
         (dict(gemm_backend="bogus"), None, ValueError, "backend must be one of"),
@@ -313,6 +314,86 @@ def test_bad_input(kw, call, exc, match):
     with pytest.raises(exc, match=match):
         m = FP8FlowMoE(E, H, FFN, K, **kw)
         call(m)
+
+
+def _router(t=4, e=E):
+    """Megatron's router output for ``t`` tokens over ``e`` experts: ``(hidden, probs [t, e], routing_map [t, e])``,
+    each token on its first K experts."""
+    routing_map = torch.zeros(t, e, dtype=torch.bool)
+    routing_map[:, :K] = True
+    return torch.randn(t, H).bfloat16(), torch.where(routing_map, 0.5, 0.0), routing_map
+
+
+def _with(index, value, t=4, e=E):
+    args = list(_router(t, e))
+    args[index] = value
+    return args
+
+
+BAD_CALLS = {  # every argument of forward (Megatron's router format) and forward_topk: (call, exception, match)
+    "map-fewer-experts": (lambda m: m(*_router(e=E - 1)), ValueError,
+                          r"routing_map must have shape \[T=4, num_experts=4\], got \[4, 3\]"),
+    "map-fewer-tokens": (lambda m: m(*_with(2, _router(t=3)[2])), ValueError,
+                         r"routing_map must have shape \[T=4, num_experts=4\], got \[3, 4\]"),
+    "map-int": (lambda m: m(*_with(2, _router()[2].int())), TypeError,
+                r"routing_map must be a tensor \[T=4, num_experts=4\] of dtype bool, got Tensor of dtype torch.int32"),
+    "map-list": (lambda m: m(*_with(2, [[True] * E] * 4)), TypeError,
+                 "routing_map must be a tensor .* of dtype bool, got list"),
+    "map-device": (lambda m: m(*_with(2, _router()[2].to("meta"))), ValueError,
+                   "routing_map is on meta, the block's parameters on cpu"),
+    "probs-fewer-experts": (lambda m: m(*_with(1, torch.rand(4, E - 1))), ValueError,
+                            r"probs must have shape \[T=4, num_experts=4\], got \[4, 3\]"),
+    "probs-int": (lambda m: m(*_with(1, torch.ones(4, E, dtype=torch.long))), TypeError,
+                  "probs must be a tensor .* of dtype bfloat16/float16/float32/float64, got .* torch.int64"),
+    "probs-fp8": (lambda m: m(*_with(1, quantize_blockwise(torch.rand(4, 128)))), TypeError,
+                  "probs must be .* got Float8BlockwiseQTensor"),
+    "hidden-fp16": (lambda m: m(*_with(0, torch.randn(4, H).half())), TypeError,
+                    r"hidden must be a tensor \[T, H=256\] of dtype bfloat16/float32, got .* torch.float16"),
+    "hidden-fp8": (lambda m: m(*_with(0, quantize_blockwise(torch.randn(4, H)))), TypeError,
+                   "hidden must be a tensor .* got Float8BlockwiseQTensor"),
+    "hidden-3d": (lambda m: m(*_with(0, torch.randn(1, 4, H).bfloat16())), ValueError,
+                  r"hidden must have shape \[T, H=256\], got \[1, 4, 256\]"),
+    "first-microbatch": (lambda m: m(*_router(), is_first_microbatch=1), TypeError,
+                         "is_first_microbatch must be None or a bool, got 1"),
+    "ids-int32": (lambda m: m.forward_topk(torch.randn(4, H).bfloat16(), torch.zeros(4, K, dtype=torch.int32),
+                                           torch.rand(4, K)), TypeError,
+                  r"topk_ids must be a tensor \[T=4, topk=2\] of dtype int64, got Tensor of dtype torch.int32"),
+    "ids-rows": (lambda m: m.forward_topk(torch.randn(4, H).bfloat16(), torch.zeros(3, K, dtype=torch.long),
+                                          torch.rand(3, K)), ValueError,
+                 r"topk_ids must have shape \[T=4, topk=2\], got \[3, 2\]"),
+    "probs-shape": (lambda m: m.forward_topk(torch.randn(4, H).bfloat16(), torch.zeros(4, K, dtype=torch.long),
+                                             torch.rand(4, 1)), ValueError,
+                    r"topk_probs must have shape \[T=4, topk=2\], got \[4, 1\]"),
+    "probs-device": (lambda m: m.forward_topk(torch.randn(4, H).bfloat16(), torch.zeros(4, K, dtype=torch.long),
+                                              torch.rand(4, K, device="meta")), ValueError,
+                     "topk_probs is on meta, the block's parameters on cpu"),
+    "topk-first-microbatch": (lambda m: m.forward_topk(*batch(0, t=4), is_first_microbatch="yes"), TypeError,
+                              "is_first_microbatch must be None or a bool, got 'yes'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_bad_forward_arguments_are_named(case):
+    """forward / forward_topk check every argument's type, dtype, shape and device at entry (host-side: no sync),
+    naming it, what it got and what was expected; a routing map over fewer experts than the block's was once
+    taken silently."""
+    call, exc, match = BAD_CALLS[case]
+    block = FP8FlowMoE(E, H, FFN, K)
+    with pytest.raises(exc, match=match):
+        call(block)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(ep_group="world"), TypeError, "ep_group must be None or a torch.distributed.ProcessGroup .* got str"),
+    (dict(init_method=0.02), TypeError, "init_method must be None or a callable .* got 0.02"),
+    (dict(output_init_method=0.02), TypeError, "output_init_method must be None or a callable .* got 0.02"),
+    (dict(num_experts=0), ValueError, "num_experts must be a positive int, got 0"),
+    (dict(topk=True), ValueError, r"topk must be an int in \[1, num_experts=4\], got True"),
+], ids=["ep-group", "init-method", "output-init-method", "num-experts", "topk-bool"])
+def test_bad_construction_arguments_are_named(kw, exc, match):
+    args = dict(num_experts=E, hidden_size=H, ffn_hidden_size=FFN, topk=K) | kw
+    with pytest.raises(exc, match=match):
+        FP8FlowMoE(**args)
 
 
 # ---------------------------------------------------------------- expert parallelism over gloo

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..ops.permute import permute_rows, row_id_map_of, unpermute_rows
 from ..recipe import FP8FlowRecipe
-from .base import host_list, slots_per_expert
+from .base import check_ep_group, host_list, slots_per_expert
 from .exchange import ExchangeTokenDispatcher, Rows
 
 
@@ -47,6 +47,7 @@ class AllToAllTokenDispatcher(ExchangeTokenDispatcher):
 
     def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None,
                  recipe: Optional[FP8FlowRecipe] = None):
+        check_ep_group(ep_group)
         if not dist.is_initialized():
             raise RuntimeError("the alltoall dispatcher needs torch.distributed initialized (init_process_group)")
         self.ep_group = ep_group if ep_group is not None else dist.group.WORLD

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.distributed as dist
 
 from ..layout import check_on_device
 from ..recipe import BLOCK_SIZE
@@ -151,6 +152,14 @@ class TokenDispatcher(abc.ABC):
 
     def _record_combine(self, rows, hidden: int, topk: int) -> None:
         self._last_combine = (rows, hidden, topk)
+
+
+def check_ep_group(ep_group) -> None:
+    """``ep_group`` None or a ``torch.distributed.ProcessGroup`` (TypeError naming it otherwise), before anything
+    asks it for its size or rank."""
+    if ep_group is not None and not isinstance(ep_group, dist.ProcessGroup):
+        raise TypeError(f"ep_group must be None or a torch.distributed.ProcessGroup (e.g. dist.new_group(ranks), "
+                        f"Megatron's expert-parallel group), got {type(ep_group).__name__} {ep_group!r}")
 
 
 def check_dispatch_inputs(hidden, topk_ids, topk_probs, num_experts: int, before_host_wait=None) -> None:

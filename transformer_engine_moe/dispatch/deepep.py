@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..recipe import FP8FlowRecipe
+from .base import check_ep_group
 from .exchange import ExchangeTokenDispatcher, Rows
 
 DEEP_EP_REQUIREMENT = "DeepEP with its V1 API (deep_ep.Buffer), e.g. tokenspeed-deepep==1.2.1.post20251110"
@@ -60,6 +61,7 @@ class DeepEPTokenDispatcher(ExchangeTokenDispatcher):
     def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None,
                  recipe: Optional[FP8FlowRecipe] = None, *, num_nvl_bytes: int = int(1e9),
                  num_rdma_bytes: int = 0):
+        check_ep_group(ep_group)
         deep_ep = _import_deep_ep()
         group = ep_group if ep_group is not None else dist.group.WORLD
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group), recipe)

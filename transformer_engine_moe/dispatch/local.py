@@ -15,6 +15,7 @@ from .base import (
     TokenDispatcher,
     check_combine_input,
     check_dispatch_inputs,
+    check_ep_group,
     host_list,
     mask_foreign_slots,
     slots_per_expert,
@@ -33,6 +34,7 @@ class LocalTokenDispatcher(TokenDispatcher):
     """
 
     def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None, host_counts: bool = True):
+        check_ep_group(ep_group)
         if ep_group is not None and dist.get_world_size(ep_group) != 1:
             raise ValueError(
                 f"the local dispatcher has no expert parallelism; got an ep_group of size "

@@ -44,7 +44,7 @@ from ..ops.grouped_gemm import GEMM_BACKENDS, grouped_gemm, grouped_gemm_wgrad
 from ..ops.quantize import quantize_grouped_weight, quantize_in_function
 from ..ops.transpose import transpose_grouped_weight
 from ..quantizer import Float8BlockQuantizer
-from ..recipe import FP8FlowRecipe, Role
+from ..recipe import HIGH_PRECISION_DTYPES, FP8FlowRecipe, Role
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
 
@@ -236,6 +236,7 @@ class GroupedLinear(nn.Module):
                         ("single_grouped_weight", single_grouped_weight)):
             if not isinstance(v, bool):
                 raise TypeError(f"{name} must be a bool, got {v!r}")
+        check_init_method(init_method)
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.recipe = recipe or FP8FlowRecipe()
         self.quantizers = {role: Float8BlockQuantizer.from_recipe(self.recipe, role) for role in Role}
@@ -355,15 +356,11 @@ class GroupedLinear(nn.Module):
         ``[M, out_features]`` in ``inp``'s (logical) dtype. ``is_first_microbatch``: FP8 weight caching
         as in TE (``fp8_weights``)."""
         self._check_input(inp)
-        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
-            raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
+        check_is_first_microbatch(is_first_microbatch)
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
-            missing = [name for name, w in self._weight_names()
-                       if w.requires_grad and getattr(w, "main_grad", None) is None]
-            if missing:
-                raise ValueError(f"fuse_wgrad_accumulation=True adds weight gradients into each weight's main_grad (a "
-                                 f"float32 buffer shaped like it, as Megatron's DDP allocates); {missing[0]} "
-                                 f"has none")
+            for name, w in self._weight_names():
+                if w.requires_grad:
+                    _check_main_grad(name, w)
         prefetched, self._prefetched = self._prefetched, None
         w, w_t = prefetched[2] if prefetched and prefetched[0] is is_first_microbatch else \
             self.fp8_weights(is_first_microbatch)
@@ -412,6 +409,38 @@ class GroupedLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.use_bias}, recipe={self.recipe}, single_grouped_weight={self.single_grouped_weight}")
+
+
+def check_is_first_microbatch(is_first_microbatch) -> None:
+    """TE's ``is_first_microbatch``: None or a bool (TypeError otherwise)."""
+    if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
+        raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
+
+
+def check_init_method(init_method, name: str = "init_method") -> None:
+    """None or a callable initialising a weight in place (TypeError naming ``name`` otherwise)."""
+    if init_method is not None and not callable(init_method):
+        raise TypeError(f"{name} must be None or a callable that initialises a weight tensor in place (e.g. "
+                        f"Megatron's config.init_method, torch.nn.init.normal_), got {init_method!r}")
+
+
+def _check_main_grad(name: str, weight: nn.Parameter) -> None:
+    """Under ``fuse_wgrad_accumulation``: ``weight.main_grad`` a plain floating tensor of the weight's shape on its
+    device (float32 as Megatron's DDP allocates it, or BF16/FP16: added after the wgrad GEMM), checked in forward
+    so that a wrong buffer fails here and not in backward."""
+    want = (f"a bf16/fp16/fp32 tensor {list(weight.shape)} on {weight.device} (float32 as Megatron's DDP "
+            f"allocates it)")
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        raise ValueError(f"fuse_wgrad_accumulation=True adds weight gradients into each weight's main_grad ({want}); "
+                         f"{name} has none")
+    if not isinstance(main_grad, torch.Tensor) or isinstance(main_grad, Float8BlockwiseQTensor) \
+            or main_grad.dtype not in HIGH_PRECISION_DTYPES:
+        got = f"{type(main_grad).__name__} of dtype {main_grad.dtype}" if isinstance(main_grad, torch.Tensor) \
+            else type(main_grad).__name__
+        raise TypeError(f"{name}.main_grad must be {want}, got {got}")
+    if main_grad.shape != weight.shape or main_grad.device != weight.device:
+        raise ValueError(f"{name}.main_grad must be {want}, got {list(main_grad.shape)} on {main_grad.device}")
 
 
 def _remap_weight_keys(state_dict, prefix: str, num_gemms: int, single: bool) -> None:

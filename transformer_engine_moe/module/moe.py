@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..dispatch import get_dispatcher
+from ..dispatch.base import check_ep_group
 from ..ops.permute import (
     moe_permute_and_pad_with_probs,
     moe_unpermute,
@@ -48,11 +49,12 @@ from ..ops.permute import (
     topk_to_routing_map,
 )
 from ..ops.swiglu import weighted_swiglu_quant
-from ..recipe import FP8FlowRecipe, Role
+from ..recipe import HIGH_PRECISION_DTYPES, FP8FlowRecipe, Role
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
-from .grouped_linear import GroupedLinear
+from .grouped_linear import GroupedLinear, check_init_method, check_is_first_microbatch
 
 RECOMPUTE = (None, "moe_expert")
+PROB_DTYPES = (*HIGH_PRECISION_DTYPES, torch.float64)  # Megatron's router: moe_router_dtype fp32 or fp64
 
 
 class FP8FlowMoE(nn.Module):
@@ -94,8 +96,12 @@ class FP8FlowMoE(nn.Module):
         if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size <= 0:
             raise ValueError(f"align_size must be a positive int (rows each expert is padded to a multiple of), "
                              f"got {align_size!r}")
-        if not isinstance(topk, int) or not 0 < topk <= num_experts:
+        if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        if not isinstance(topk, int) or isinstance(topk, bool) or not 0 < topk <= num_experts:
             raise ValueError(f"topk must be an int in [1, num_experts={num_experts}], got {topk!r}")
+        check_ep_group(ep_group)
+        check_init_method(output_init_method, "output_init_method")
         ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
         if num_experts % ep_size:
             raise ValueError(f"num_experts={num_experts} must be divisible by the EP group size {ep_size}")
@@ -117,7 +123,8 @@ class FP8FlowMoE(nn.Module):
         self.linear_fc1 = GroupedLinear(self.num_local_experts, hidden_size, 2 * ffn_hidden_size,
                                         init_method=init_method, **common)
         self.linear_fc2 = GroupedLinear(self.num_local_experts, ffn_hidden_size, hidden_size,
-                                        init_method=output_init_method or init_method, **common)
+                                        init_method=init_method if output_init_method is None else output_init_method,
+                                        **common)
 
     # ------------------------------------------------------------------ phases
     def quantize(self, hidden: torch.Tensor) -> Float8BlockwiseQTensor:
@@ -244,6 +251,13 @@ class FP8FlowMoE(nn.Module):
             hidden, probs, routing_map, tokens_per_expert, a, num_out_tokens=rows - slack)
         return x, probs, row_id_map, pad_offsets, torch.cat([padded, (rows - padded.sum()).view(1)])
 
+    def _check_hidden(self, hidden) -> torch.device:
+        """``hidden`` a plain BF16 or FP32 ``[T, H]`` tensor on the parameters' device; returns that device."""
+        device = self.linear_fc1.weight_params[0].device
+        dims = (("T", None), ("H", self.linear_fc1.in_features))
+        _check_tensor("hidden", hidden, (torch.bfloat16, torch.float32), dims, device)
+        return device
+
     def combine(self, y: torch.Tensor, handle) -> torch.Tensor:
         return self.dispatcher.combine(y, handle)
 
@@ -251,31 +265,31 @@ class FP8FlowMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                 is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``hidden [T, H]`` BF16 with Megatron's router output: ``probs [T, E]`` (zero off the routed
-        experts), ``routing_map [T, E]`` bool -> ``[T, H]`` BF16. ``is_first_microbatch``: FP8 weight
-        caching as in TE (``GroupedLinear.fp8_weights``; None: quantize the weights every call)."""
+        experts), ``routing_map [T, E]`` bool, E = ``num_experts`` (all experts, over the EP group) -> ``[T, H]``
+        BF16. ``is_first_microbatch``: FP8 weight caching as in TE (``GroupedLinear.fp8_weights``; None: quantize
+        the weights every call). Every argument's type, dtype, shape and device is checked on the host (no sync);
+        at most ``topk`` experts per token on the device (``routing_map_to_topk``)."""
+        device = self._check_hidden(hidden)
+        dims = (("T", hidden.shape[0]), ("num_experts", self.num_experts))
+        _check_tensor("routing_map", routing_map, (torch.bool,), dims, device)
+        _check_tensor("probs", probs, PROB_DTYPES, dims, device)
+        check_is_first_microbatch(is_first_microbatch)
         topk_ids, topk_probs = routing_map_to_topk(probs, routing_map, self.topk)
         return self.forward_topk(hidden, topk_ids, topk_probs, is_first_microbatch)
 
     def forward_topk(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
                      is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``hidden [T, H]`` BF16 (FP32: cast to BF16 at entry and the output back), ``topk_ids [T, k]``
-        int64 global expert ids (-1: unused slot), ``topk_probs [T, k]`` float32 -> ``[T, H]``."""
-        if not isinstance(hidden, torch.Tensor) or isinstance(hidden, Float8BlockwiseQTensor) or hidden.dim() != 2:
-            raise TypeError(f"hidden must be a 2-D BF16 tensor [T, H], got {type(hidden).__name__} "
-                            f"{list(getattr(hidden, 'shape', []))}")
+        int64 global expert ids (-1: unused slot), ``topk_probs [T, k]`` floating -> ``[T, H]``. Types, dtypes,
+        shapes and devices checked on the host; the ids' values (in ``[-1, num_experts)``, no expert twice for one
+        token) on the device (the dispatcher's and permute's checks)."""
+        device = self._check_hidden(hidden)
+        dims = (("T", hidden.shape[0]), ("topk", self.topk))
+        _check_tensor("topk_ids", topk_ids, (torch.int64,), dims, device)
+        _check_tensor("topk_probs", topk_probs, PROB_DTYPES, dims, device)
+        check_is_first_microbatch(is_first_microbatch)
         if hidden.dtype == torch.float32:
             return self.forward_topk(hidden.bfloat16(), topk_ids, topk_probs, is_first_microbatch).float()
-        if hidden.dtype != torch.bfloat16:
-            raise TypeError(f"hidden must be BF16 or FP32, got {hidden.dtype}")
-        if hidden.shape[1] != self.linear_fc1.in_features:
-            raise ValueError(f"hidden must have {self.linear_fc1.in_features} features, got shape "
-                             f"{list(hidden.shape)}")
-        if topk_ids.dim() != 2 or topk_ids.shape[1] != self.topk:
-            raise ValueError(f"topk_ids must be [T, topk={self.topk}], got {list(topk_ids.shape)}")
-        device = self.linear_fc1.weight_params[0].device
-        for name, t in (("hidden", hidden), ("topk_ids", topk_ids), ("topk_probs", topk_probs)):
-            if t.device != device:
-                raise ValueError(f"{name} is on {t.device}, the block's parameters on {device}: move one of them")
         # The weights' quantization (reusing a cache: W's byte transpose from the cached W^T) is queued while the
         # host waits for the dispatch's counts: the GPU runs it then, and while the host issues the permute after
         # the wait (it would idle there).
@@ -294,3 +308,16 @@ class FP8FlowMoE(nn.Module):
         y = self.routed_experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert, is_first_microbatch)
         return self.combine(y, res.handle)
 
+
+def _check_tensor(name: str, t, dtypes: tuple, dims: tuple, device: torch.device) -> None:
+    """``t`` a plain tensor (not FP8) of one of ``dtypes``, shaped ``dims`` (``(label, size)`` pairs; size None: any),
+    on ``device``: TypeError/ValueError naming ``name``, what it got and what was expected. Host-side: no sync."""
+    want = f"[{', '.join(label if size is None else f'{label}={size}' for label, size in dims)}]"
+    if not isinstance(t, torch.Tensor) or isinstance(t, Float8BlockwiseQTensor) or t.dtype not in dtypes:
+        kinds = "/".join(str(d).removeprefix("torch.") for d in dtypes)
+        got = f"{type(t).__name__}" + (f" of dtype {t.dtype}" if isinstance(t, torch.Tensor) else "")
+        raise TypeError(f"{name} must be a tensor {want} of dtype {kinds}, got {got}")
+    if t.dim() != len(dims) or any(size is not None and n != size for n, (_, size) in zip(t.shape, dims)):
+        raise ValueError(f"{name} must have shape {want}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, the block's parameters on {device}: move one of them")
