@@ -19,15 +19,18 @@ import pathlib
 import resource
 import socket
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 
 from megatron_patches import apply
-from megatron_patches.arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
+from megatron_patches.arguments import (add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args,
+                                        validate_size_args)
 from megatron_patches.cpu_shims import apply_cpu_shims
 from megatron_patches.settings import fp8_flow_fields
 
+from .data import TEXT_MAX_BYTES
 from .expert_path import expert_path
 from .megatron_data import add_data_args, data_source, train_valid_test_datasets
 
@@ -95,13 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None)
     g.add_argument("--summary-json", default=None,
                    help="write final loss, loss curve, tokens/s and peak memory here (rank 0)")
-    g.add_argument("--text-max-bytes", type=int, default=8 << 20,
+    g.add_argument("--text-max-bytes", type=int, default=TEXT_MAX_BYTES,
                    help="bytes of standard-library source to train on without data arguments (default 8 MiB)")
     return add_fp8_flow_args(add_data_args(p))
 
 
 def parse_args(argv) -> argparse.Namespace:
-    """Parse ``argv``; SystemExit naming any Megatron flag the compact loop does not implement."""
+    """Parse and validate ``argv`` before anything is built; SystemExit naming any Megatron flag the compact loop
+    does not implement, any zero, negative or inconsistent size (``validate_size_args``), any flag that would do
+    nothing (FP8-Flow's without --moe-fp8-flow, data flags the chosen data ignores: ``data_source``) and whatever
+    megatron-core's ``TransformerConfig`` refuses."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     flags = [a for a in unknown if a.startswith("-")]
@@ -109,23 +115,34 @@ def parse_args(argv) -> argparse.Namespace:
         parser.error("the compact CPU loop (megatron-core without megatron.training) does not "
                      f"support {' '.join(flags or unknown)}; use Megatron-LM / megatron-core "
                      ">= 0.19 for those, or see --help for what it supports")
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
-    args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
-    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    try:
+        validate_size_args(args)
+    except ValueError as error:
+        parser.error(str(error))
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
     if args.moe_grouped_gemm and not args.moe_fp8_flow:
         parser.error("--moe-grouped-gemm without --moe-fp8-flow needs TransformerEngine's "
                      "grouped experts, which the CPU loop lacks; drop it (SequentialMLP experts)")
-    for flag, value in (("--micro-batch-size", args.micro_batch_size), ("--seq-length", args.seq_length),
-                        ("--train-iters", args.train_iters), ("--global-batch-size", args.global_batch_size)):
-        if value is not None and value < 1:
-            parser.error(f"{flag} must be >= 1, got {value}")
     if args.moe_fp8_flow_cuda_graph:
         parser.error("--moe-fp8-flow-cuda-graph replays CUDA graphs: the compact loop is the CPU path (on a GPU, "
                      "Megatron's pretrain runs it: megatron-core 0.19)")
+    evaluated = [f"--{s}-data-path" for s in ("valid", "test") if getattr(args, f"{s}_data_path") is not None]
+    if evaluated:
+        parser.error(f"{', '.join(evaluated)}: the compact loop trains without evaluating, so it would read only "
+                     "--train-data-path (Megatron's pretrain evaluates: megatron-core 0.19)")
     try:
         validate_fp8_flow_args(args)
         resolve_fp8_flow_format(args)
         data_source(args)
+        apply()  # the FP8-Flow fields of TransformerConfig
+        with warnings.catch_warnings():  # build_model says them
+            warnings.simplefilter("ignore")
+            transformer_config(args)  # megatron-core's own checks, before anything is built
     except ValueError as error:
         parser.error(str(error))
     return args
@@ -150,16 +167,11 @@ def _init_distributed(args) -> None:
         expert_model_parallel_size=args.expert_model_parallel_size)
 
 
-def build_model(args, vocab_size: int):
-    """GPTModel with MoE in every layer (local spec; FP8-Flow block when ``--moe-fp8-flow``) over a
-    vocabulary of ``vocab_size``."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+def transformer_config(args):
+    """megatron-core's ``TransformerConfig`` of the model (its ``__post_init__`` checks the settings)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_patches.experts import fp8_flow_layer_spec
-
-    config = TransformerConfig(
+    return TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
         normalization=args.normalization, gated_linear_unit=args.swiglu,
@@ -178,6 +190,17 @@ def build_model(args, vocab_size: int):
         recompute_modules=args.recompute_modules,
         **fp8_flow_fields(args), use_cpu_initialization=True, params_dtype=torch.float32,
     )
+
+
+def build_model(args, vocab_size: int):
+    """GPTModel with MoE in every layer (local spec; FP8-Flow block when ``--moe-fp8-flow``) over a
+    vocabulary of ``vocab_size``."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_patches.experts import fp8_flow_layer_spec
+
+    config = transformer_config(args)
     spec = get_gpt_layer_local_spec(num_experts=args.num_experts, moe_grouped_gemm=False,
                                     normalization=args.normalization)
     spec = fp8_flow_layer_spec(spec, config)

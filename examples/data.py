@@ -13,6 +13,7 @@ import sysconfig
 import torch
 
 VOCAB_SIZE = 256
+TEXT_MAX_BYTES = 8 << 20  # the compact loop's default --text-max-bytes
 
 
 def stdlib_bytes(max_bytes: int) -> torch.Tensor:

@@ -17,7 +17,8 @@ import sys
 import torch
 
 from megatron_patches import apply
-from megatron_patches.arguments import add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args
+from megatron_patches.arguments import (add_fp8_flow_args, resolve_fp8_flow_format, validate_fp8_flow_args,
+                                        validate_size_args)
 from megatron_patches.experts import fp8_flow_layer_spec
 
 from .data import VOCAB_SIZE
@@ -97,14 +98,16 @@ def megatron_pretrain(layer_spec=fp8_flow_layer_spec) -> None:
     from megatron.training import pretrain
     from megatron.training.argument_utils import (gpt_config_from_args,
                                                   pretrain_cfg_container_from_args)
-    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.arguments import parse_and_validate_args, parse_args
 
+    # zero, negative and inconsistent sizes named by flag before Megatron's validation divides by them
+    validate_size_args(parse_args(add_fp8_flow_args))
     args = parse_and_validate_args(
         extra_args_provider=add_fp8_flow_args,
         args_defaults={"tokenizer_type": "NullTokenizer", "vocab_size": VOCAB_SIZE})
     validate_fp8_flow_args(args)
     resolve_fp8_flow_format(args)
-    data_source(args)  # clashing data arguments fail before the model is built
+    data_source(args)  # clashing, ignored or missing data arguments fail before the model is built
     model_config = gpt_config_from_args(args)
     model_config.transformer_layer_spec = _spec_builder(model_config.transformer_layer_spec, layer_spec)
     _datasets_provider.is_distributed = True

@@ -24,6 +24,7 @@ _FLAGS = {
     "fp8": "--fp8-format",
     "num_moe_experts": "--num-experts",
     "add_bias_linear": "--disable-bias-linear",
+    "mmap_bin_files": "--no-mmap-bin-files",
 }
 
 _HELP = (
@@ -117,8 +118,82 @@ def _view(args: argparse.Namespace) -> FP8FlowView:
 
 
 def validate_fp8_flow_args(args: argparse.Namespace) -> None:
-    """Raise ValueError naming every FP8-Flow rule the parsed ``args`` break (by flag)."""
-    raise_on_problems(fp8_flow_problems(_view(args), flag), "command line")
+    """Raise ValueError naming every FP8-Flow rule the parsed ``args`` break (by flag), and every
+    ``--moe-fp8-flow-*`` flag given without ``--moe-fp8-flow`` (it would do nothing)."""
+    problems = fp8_flow_problems(_view(args), flag)
+    # the format alone here: a TransformerConfig may carry it unused (the other flags' rules are shared)
+    if getattr(args, "moe_fp8_flow_format", None) is not None and not getattr(args, "moe_fp8_flow", False):
+        problems.append(f"{flag('moe_fp8_flow_format')} {args.moe_fp8_flow_format} sets the FP8-Flow experts' format: "
+                        f"it requires {flag('moe_fp8_flow')} (without it the experts are Megatron's and the flag "
+                        "would do nothing)")
+    raise_on_problems(problems, "command line")
+
+
+# Integer flags (args field -> least value) of Megatron-LM's and the example's command line; checked when set.
+_AT_LEAST = {
+    **dict.fromkeys(("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+                     "num_query_groups", "seq_length", "max_position_embeddings", "num_experts",
+                     "moe_ffn_hidden_size", "moe_router_topk", "tensor_model_parallel_size",
+                     "pipeline_model_parallel_size", "context_parallel_size", "expert_model_parallel_size",
+                     "micro_batch_size", "global_batch_size", "train_iters", "log_interval", "save_interval",
+                     "eval_interval", "vocab_size", "make_vocab_size_divisible_by", "text_max_bytes"), 1),
+    **dict.fromkeys(("lr_warmup_iters", "eval_iters", "tiktoken_num_special_tokens"), 0),
+}
+_INF = float("inf")
+# Float flags -> (low, high, high included); NaN is refused too.
+_IN_RANGE = {
+    **dict.fromkeys(("hidden_dropout", "attention_dropout"), (0.0, 1.0, True)),
+    **dict.fromkeys(("adam_beta1", "adam_beta2"), (0.0, 1.0, False)),
+    **dict.fromkeys(("lr", "min_lr", "weight_decay", "adam_eps", "clip_grad", "init_method_std",
+                     "moe_aux_loss_coeff"), (0.0, _INF, False)),
+}
+
+
+def size_problems(args: argparse.Namespace) -> list:
+    """Every zero, negative or inconsistent size (and out-of-range rate) of the parsed ``args``, one sentence each
+    naming the flag, the value and what is expected; flags the parser lacks or leaves unset are skipped. The
+    consistency rules are Megatron-LM's own ``validate_args`` assertions (``hidden_size % num_attention_heads``
+    without ``--kv-channels``, ``max_position_embeddings >= seq_length``, ``min_lr <= lr``, experts divisible by
+    the expert-parallel size), so a run fails here with the flag's name and not deep in training."""
+    problems = []
+    for field, least in _AT_LEAST.items():
+        value = getattr(args, field, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            problems.append(f"{flag(field)} must be >= {least}, got {value!r}")
+    for field, (low, high, closed) in _IN_RANGE.items():
+        value = getattr(args, field, None)
+        # a list: Megatron's --moe-aux-loss-coeff, one per load-balancing type
+        values = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+        if any(not (low <= v and (v <= high if closed else v < high)) for v in values):
+            span = f">= {low}" if high == _INF else f"in [{low}, {high}{']' if closed else ')'}"
+            problems.append(f"{flag(field)} must be {span}, got {value!r}")
+    if problems:  # the rules below divide by these
+        return problems
+    value = {f: getattr(args, f, None) for f in ("hidden_size", "num_attention_heads", "kv_channels", "seq_length",
+                                                 "max_position_embeddings", "lr", "min_lr", "num_experts",
+                                                 "expert_model_parallel_size")}
+    if value["hidden_size"] and value["num_attention_heads"] and value["kv_channels"] is None \
+            and value["hidden_size"] % value["num_attention_heads"]:
+        problems.append(f"--hidden-size {value['hidden_size']} must be a multiple of --num-attention-heads "
+                        f"{value['num_attention_heads']} (each head's width, without --kv-channels)")
+    if value["seq_length"] and value["max_position_embeddings"] and \
+            value["max_position_embeddings"] < value["seq_length"]:
+        problems.append(f"--max-position-embeddings {value['max_position_embeddings']} must be >= --seq-length "
+                        f"{value['seq_length']} (a position past the embeddings has none)")
+    if value["lr"] is not None and value["min_lr"] is not None and value["min_lr"] > value["lr"]:
+        problems.append(f"--min-lr {value['min_lr']} must be <= --lr {value['lr']}")
+    if value["num_experts"] and value["expert_model_parallel_size"] and \
+            value["num_experts"] % value["expert_model_parallel_size"]:
+        problems.append(f"--num-experts {value['num_experts']} must be a multiple of --expert-model-parallel-size "
+                        f"{value['expert_model_parallel_size']} (each expert-parallel rank holds as many experts)")
+    return problems
+
+
+def validate_size_args(args: argparse.Namespace) -> None:
+    """Raise ValueError listing every problem ``size_problems`` finds, before anything is built."""
+    problems = size_problems(args)
+    if problems:
+        raise ValueError("invalid sizes (command line):\n  - " + "\n  - ".join(problems))
 
 
 def resolve_fp8_flow_format(args: argparse.Namespace) -> None:

@@ -96,3 +96,55 @@ def test_unread_megatron_data_arguments_are_named():
     args = argparse.Namespace(data_path=None, mock_data=False, data_args_path="blend.txt", reset_attention_mask=True)
     with pytest.raises(ValueError, match="does not read --data-args-path, --reset-attention-mask"):
         data_source(args)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--split", "90,10,0"], "the data here is the standard library's bytes (no data argument given), so these flags "
+                             "would do nothing: --split (read only with --mock-data or --data-path"),
+    (["--vocab-size", "1000", "--eod-mask-loss"], "would do nothing: --eod-mask-loss (read only with --mock-data or "
+                                                  "--data-path or --train/valid/test-data-path); --vocab-size"),
+    (["--tokenizer-type", "GPT2BPETokenizer"], "--tokenizer-type (read only with --mock-data"),
+    (["--mock-data", "--no-mmap-bin-files"], "the data here is --mock-data, so these flags would do nothing: "
+                                             "--no-mmap-bin-files (read only with --data-path"),
+    (["--mock-data", "--text-max-bytes", "5"], "--text-max-bytes (read only with the standard library's bytes"),
+    (["--data-path", "PREFIX", "--text-max-bytes", "5"],
+     "the data here is --data-path or --train/valid/test-data-path, so these flags would do nothing: --text-max-bytes"),
+    (["--train-data-path", "PREFIX", "--split", "90,10,0"], "--split 90,10,0 divides --data-path; with "
+                                                            "--train/valid/test-data-path it would do nothing"),
+], ids=["split", "tokenizer-and-loss", "tokenizer-type", "mmap", "text-bytes-mock", "text-bytes-indexed",
+        "split-per-split"])
+def test_data_flags_the_chosen_data_ignores_are_named(indexed_prefix, extra, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(MODEL + [indexed_prefix if a == "PREFIX" else a for a in extra])
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--data-path", "/nonexistent/corpus"], "--data-path: no indexed dataset at prefix '/nonexistent/corpus': "
+                                             "/nonexistent/corpus.bin and /nonexistent/corpus.idx not found"),
+    (["--data-path"], "--data-path needs at least one dataset prefix (or weight-prefix pairs), got none"),
+    (["--data-path", "0.5", "PREFIX", "-0.5", "PREFIX"], "--data-path: the blend weights must be positive and finite, "
+                                                          "got [0.5, -0.5]"),
+    (["--train-data-path", "/nonexistent/corpus"], "--train-data-path: no indexed dataset at prefix"),
+    (["--train-data-path", "PREFIX", "--valid-data-path", "PREFIX"],
+     "--valid-data-path: the compact loop trains without evaluating"),
+], ids=["missing", "empty", "negative-weight", "missing-per-split", "valid-in-compact-loop"])
+def test_missing_or_unused_data_paths_are_named_before_anything_is_built(indexed_prefix, extra, message, capsys):
+    """A prefix without its files was an AssertionError deep in megatron-core's builder (plus an AttributeError in
+    IndexedDataset.__del__); an empty --data-path trained on the standard library's bytes."""
+    with pytest.raises(SystemExit):
+        parse_args(MODEL + [indexed_prefix if a == "PREFIX" else a for a in extra])
+    assert message in capsys.readouterr().err
+
+
+def test_per_split_paths_need_the_training_one():
+    args = argparse.Namespace(data_path=None, train_data_path=None, valid_data_path=["x"], test_data_path=None,
+                              mock_data=False)
+    with pytest.raises(ValueError, match="--valid-data-path / --test-data-path need --train-data-path"):
+        data_source(args)
+
+
+def test_standard_library_vocabulary_is_padded_as_megatron_pads():
+    args = parse_args(MODEL + ["--make-vocab-size-divisible-by", "7"])
+    _, vocab, described = train_valid_test_datasets(args, [1, 0, 0], text_max_bytes=10_000)
+    assert vocab == 259 and "vocabulary 256, embedding 259" in described

@@ -158,3 +158,21 @@ def test_expert_gradients_stay_on_their_expert_parallel_rank(tmp_path):
     for n in dense:
         mean = (ranks[0]["before"][n] + ranks[1]["before"][n]) / 2
         assert torch.allclose(ranks[0]["after"][n], mean, rtol=1e-5, atol=1e-7), n
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--moe-fp8-flow-format", "hybrid"], "--moe-fp8-flow-format hybrid sets the FP8-Flow experts' format: it "
+                                          "requires --moe-fp8-flow"),
+    (["--hidden-size", "0"], "--hidden-size must be >= 1, got 0"),
+    (["--max-position-embeddings", "32"], "--max-position-embeddings 32 must be >= --seq-length 64"),
+    (["--data-path", "/nonexistent/corpus"], "--data-path: no indexed dataset at prefix '/nonexistent/corpus'"),
+], ids=["format-without-fp8-flow", "hidden-0", "positions", "missing-data"])
+def test_entry_point_refuses_before_building_anything(monkeypatch, capsys, extra, message):
+    """``python -m examples.pretrain_gpt`` with a flag that would do nothing, a zero size, too few positions or a
+    missing dataset exits naming the flag; training (process group, data, model) never starts."""
+    from examples import compact_loop
+
+    monkeypatch.setattr(compact_loop, "train", lambda args: pytest.fail("training started"))
+    with pytest.raises(SystemExit):
+        pretrain_gpt.main(TINY_GPT_ARGS + extra)
+    assert message in capsys.readouterr().err

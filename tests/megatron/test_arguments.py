@@ -9,7 +9,7 @@ import argparse
 import torch
 
 import megatron_patches
-from megatron_patches.arguments import add_fp8_flow_args, validate_fp8_flow_args
+from megatron_patches.arguments import add_fp8_flow_args, size_problems, validate_fp8_flow_args, validate_size_args
 from examples.compact_loop import parse_args
 
 FULL = ("--fp8-format e4m3 --fp8-recipe blockwise --moe-fp8-flow --recompute-granularity selective "
@@ -73,12 +73,70 @@ def test_rules_by_flag_name():
     (("--micro-batch-size 2", "--micro-batch-size 0"), "--micro-batch-size must be >= 1, got 0"),
     (("--seq-length 32", "--seq-length 0"), "--seq-length must be >= 1, got 0"),
     (("--train-iters 2", "--train-iters -1"), "--train-iters must be >= 1, got -1"),
-], ids=["topk", "hidden", "ffn", "micro-batch", "seq-length", "train-iters"])
+    # each once a ZeroDivisionError deep in training
+    (("--hidden-size 128", "--hidden-size 0"), "--hidden-size must be >= 1, got 0"),
+    (("--num-attention-heads 4", "--num-attention-heads 0"), "--num-attention-heads must be >= 1, got 0"),
+    (("--num-layers 2", "--num-layers 0"), "--num-layers must be >= 1, got 0"),
+    (("--num-experts 4", "--num-experts 4 --expert-model-parallel-size 0"),
+     "--expert-model-parallel-size must be >= 1, got 0"),
+    (("--num-layers 2", "--num-layers 2 --log-interval 0"), "--log-interval must be >= 1, got 0"),
+    (("--num-layers 2", "--num-layers 2 --make-vocab-size-divisible-by 0"),
+     "--make-vocab-size-divisible-by must be >= 1, got 0"),
+    # once silently replaced by the default (4 x hidden)
+    (("--num-layers 2", "--num-layers 2 --ffn-hidden-size 0"), "--ffn-hidden-size must be >= 1, got 0"),
+    (("--num-layers 2", "--num-layers 2 --text-max-bytes -1"), "--text-max-bytes must be >= 1, got -1"),
+    # inconsistent sizes, by Megatron-LM's rules (the positions: once an IndexError in the embedding)
+    (("--seq-length 32", "--seq-length 32 --max-position-embeddings 16"),
+     "--max-position-embeddings 16 must be >= --seq-length 32"),
+    (("--num-attention-heads 4", "--num-attention-heads 3"),
+     "--hidden-size 128 must be a multiple of --num-attention-heads 3"),
+    (("--num-experts 4", "--num-experts 4 --expert-model-parallel-size 3"),
+     "--num-experts 4 must be a multiple of --expert-model-parallel-size 3"),
+    (("--num-layers 2", "--num-layers 2 --lr 0.1 --min-lr 1"), "--min-lr 1.0 must be <= --lr 0.1"),
+    # rates
+    (("--num-layers 2", "--num-layers 2 --hidden-dropout 1.5"), "--hidden-dropout must be in [0.0, 1.0], got 1.5"),
+    (("--num-layers 2", "--num-layers 2 --adam-beta2 nan"), "--adam-beta2 must be in [0.0, 1.0), got nan"),
+    # megatron-core's TransformerConfig, built at parse time: its own checks before anything is built
+    (("--num-experts 4", "--num-experts 4 --moe-router-topk 1"), "Please use --moe-router-pre-softmax when topk is 1"),
+], ids=["topk", "hidden", "ffn", "micro-batch", "seq-length", "train-iters", "hidden-0", "heads-0", "layers-0",
+        "ep-0", "log-interval-0", "vocab-divisor-0", "ffn-0", "text-bytes", "positions", "heads-divide",
+        "experts-divide", "min-lr", "dropout", "beta-nan", "megatron-config"])
 def test_bad_sizes_are_refused_at_argument_validation(change, message, capsys):
     argv = " ".join(MODEL + FULL).replace(*change).split()
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert message in capsys.readouterr().err
+
+
+def test_size_rules_skip_what_a_parser_leaves_unset():
+    """Megatron's parser (megatron.training) leaves some sizes None and takes a list of aux-loss coefficients;
+    every problem is listed at once, by flag."""
+    args = argparse.Namespace(hidden_size=None, num_layers=0, moe_aux_loss_coeff=[1e-2, -1.0], train_iters=None,
+                              hidden_dropout=0.0)
+    assert size_problems(args) == ["--num-layers must be >= 1, got 0",
+                                   "--moe-aux-loss-coeff must be >= 0.0, got [0.01, -1.0]"]
+    with pytest.raises(ValueError, match="invalid sizes"):
+        validate_size_args(args)
+    heads = argparse.Namespace(hidden_size=128, num_attention_heads=3, kv_channels=32)  # explicit head width
+    assert size_problems(heads) == []
+
+
+@pytest.mark.parametrize("field, value", [("moe_fp8_flow_format", "hybrid"),
+                                          ("moe_fp8_flow_single_grouped_weight", True),
+                                          ("moe_fp8_flow_cuda_graph", True)])
+def test_fp8_flow_flags_need_moe_fp8_flow(field, value):
+    """Every --moe-fp8-flow-* flag without --moe-fp8-flow would do nothing (Megatron's BF16 experts train): refused
+    by name."""
+    args = argparse.Namespace(moe_fp8_flow=False, recompute_modules=None, **{field: value})
+    with pytest.raises(ValueError, match=f"--{field.replace('_', '-')} .*requires --moe-fp8-flow"):
+        validate_fp8_flow_args(args)
+
+
+def test_fp8_flow_format_without_fp8_flow_is_refused_on_the_command_line(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(MODEL + ["--moe-fp8-flow-format", "hybrid"])
+    assert "--moe-fp8-flow-format hybrid sets the FP8-Flow experts' format: it requires --moe-fp8-flow" in \
+        capsys.readouterr().err
 
 
 def test_fp8_format_without_fp8_flow_or_transformer_engine_is_named(capsys):
