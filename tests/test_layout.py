@@ -14,6 +14,7 @@ from transformer_engine_moe.layout import (
     gemm_ready_to_compact,
     m_splits_tensor,
     num_column_blocks,
+    own_m_splits,
     to_columnwise,
 )
 
@@ -266,3 +267,30 @@ def test_m_splits_tensor_on_the_gpu_is_shared_per_stream():
     groups = layout.row_groups([128, 0, 256], 384, "cuda", torch.int32)
     assert groups is layout.row_groups([128, 0, 256], 384, "cuda", torch.int32)
     assert torch.equal(groups.cpu(), torch.tensor([0] * 128 + [2] * 256, dtype=torch.int32))
+
+
+def test_own_m_splits_keeps_a_copy_that_the_caches_still_share(monkeypatch):
+    """What a stored object keeps of its splits: a new list of host sizes, a clone of a device tensor (the
+    caller's tensor kept beside it for its identity), so later writes into the caller's splits do not reach
+    it; owned splits pass as they are. A host list's copy keys layout's per-(values, stream) device caches as
+    the caller's list does (CUDA stood in for, as above)."""
+    import transformer_engine_moe.layout as layout
+
+    sizes = [3, 0, 5]
+    owned = own_m_splits(sizes, 8)
+    sizes[0] = 4
+    assert owned.values == [3, 0, 5] and owned.given is None
+    assert owned.as_given() == [3, 0, 5] and owned.as_given() is not owned.values
+    t = torch.tensor([3, 0, 5])
+    owned_t = own_m_splits(t, 8)
+    t[0] = 4
+    assert owned_t.values.tolist() == [3, 0, 5] and owned_t.given is t and owned_t.as_given() is t
+    assert own_m_splits(owned_t, 8) is owned_t and own_m_splits(None, 8) is None
+    with pytest.raises(ValueError, match="m_splits must be >= 0 and sum to M=8"):
+        own_m_splits(torch.tensor([9, -1]), 8)
+    monkeypatch.setattr(layout, "_to_device", lambda v, d, dt: torch.tensor(v, dtype=dt))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 1}))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    layout._device_splits.cache_clear()
+    assert m_splits_tensor(owned.values, "cuda:0") is m_splits_tensor([3, 0, 5], "cuda:0")
+    layout._device_splits.cache_clear()

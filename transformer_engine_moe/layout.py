@@ -40,6 +40,7 @@ scales transposed; the last scale dimension padded to a multiple of 4
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from typing import Optional, Sequence, Union
@@ -101,7 +102,8 @@ def check_m_splits(m_splits: MSplits, m: int, name: str = "m_splits", device=Non
     integer tensor of the same (checked with ``check_on_device``: no host sync on the GPU). Every op
     taking splits checks them here: a negative size whose sum is still M would make the kernels and
     the references index out of bounds. ``device``: where the rows live (a tensor of splits must be
-    there too). Returns a list or tensor."""
+    there too). Returns a new list, or the tensor itself (``own_m_splits`` makes the copy a stored tensor
+    needs)."""
     if m_splits is None:
         return None
     if isinstance(m_splits, torch.Tensor):
@@ -119,6 +121,38 @@ def check_m_splits(m_splits: MSplits, m: int, name: str = "m_splits", device=Non
     if len(m_splits) == 0 or min(m_splits) < 0 or sum(m_splits) != m:
         raise ValueError(f"{name} must be non-empty, >= 0 and sum to M={m}, got {list(m_splits)}")
     return list(m_splits)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OwnedSplits:
+    """Group sizes kept by an object that reads them later (``own_m_splits``). ``values``: what it computes
+    with, a private list of host sizes or a clone of a device tensor, so a later write into the caller's
+    splits never reaches it. ``given``: the device tensor the caller passed (None for host sizes), kept
+    for its identity only (``as_given``)."""
+
+    values: Union[list[int], torch.Tensor]
+    given: Optional[torch.Tensor] = None
+
+    def as_given(self) -> Union[list[int], torch.Tensor]:
+        """What a caller compares its own splits with: a new list of the host sizes (compared by value), or
+        the device tensor it passed (compared by identity: values on the device cannot be compared without a
+        host sync, so "the same tensor" is the contract, and its values at the time of the copy are the ones
+        the owner uses)."""
+        return list(self.values) if self.given is None else self.given
+
+
+def own_m_splits(m_splits: Union[MSplits, OwnedSplits], m: int, name: str = "m_splits",
+                 device=None) -> Optional[OwnedSplits]:
+    """``check_m_splits``, then the copy that whoever stores the splits keeps: a list of host sizes (a new
+    list), a device tensor cloned (a device-side copy, no host sync; it reads the values the checks and the
+    kernels queued before it read). An ``OwnedSplits`` (another owner's, shared with its storage, already
+    checked) is returned as it is; None stays None."""
+    if m_splits is None or isinstance(m_splits, OwnedSplits):
+        return m_splits
+    m_splits = check_m_splits(m_splits, m, name, device)
+    if isinstance(m_splits, torch.Tensor):
+        return OwnedSplits(m_splits.clone(), m_splits)
+    return OwnedSplits(m_splits)
 
 
 def num_column_blocks(m: int, m_splits: MSplits) -> int:

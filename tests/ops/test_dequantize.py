@@ -2,6 +2,7 @@
 autograd, bad input."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -22,7 +23,10 @@ def _every_code_tensor(fp8, m, k, device=KERNEL_DEVICE):
 
 
 def _same(a, b):
-    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    """Equal values, infinities included, every NaN alike (+0 and -0 alike: the kernel under the interpreter
+    writes the code -0 as +0)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0, math.inf, -math.inf),
+                                                               b.nan_to_num(0.0, math.inf, -math.inf))
 
 
 @pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
@@ -32,6 +36,29 @@ def test_kernel_matches_reference_on_every_code(fp8, shape, dtype):
     t = _every_code_tensor(fp8, *shape)
     assert _same(dequantize_blockwise(t, dtype, backend="triton"),
                  dequantize_blockwise(t, dtype, backend="reference"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_finite_values_within_an_fp8_step_of_the_dtype_max_come_back_inf_as_in_transformer_engine(dtype):
+    """The chosen behaviour (docs/inputs.md): each FP8 value times its block's scale_inv in float32, cast once to
+    the output dtype, as TransformerEngine's dequantize does. A finite input whose FP8 code rounds up past the
+    dtype's max comes back +-inf: fp16 65504 and 63488 quantize (power-of-two scale 2**-8) to 256 and dequantize
+    to 65536; the dtype's max in bf16 and fp32 to 256 * 2**120 = 2**128. Kernel and reference agree bit for bit;
+    half the max stays finite; non-finite inputs stay non-finite (NaN keeps its code, +-inf marks its block
+    NaN), the other values of the NaN's block finite."""
+    big = torch.finfo(dtype).max
+    x = torch.zeros(2, 256, dtype=dtype, device=KERNEL_DEVICE)
+    x[0, :4] = torch.tensor([big, -big, big / 2, 63488.0 if dtype == torch.float16 else 1.0], dtype=dtype)
+    x[1, :2] = torch.tensor([float("nan"), 1.0], dtype=dtype)
+    x[1, 128] = float("inf")
+    q = quantize_blockwise(x, backend="reference")
+    got, want = q.dequantize(dtype, backend="triton"), q.dequantize(dtype, backend="reference")
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert _same(got, want) and torch.equal(got.masked_fill(got.isnan(), 0).view(bits),
+                                            want.masked_fill(want.isnan(), 0).view(bits))
+    assert got[0, :2].tolist() == [float("inf"), -float("inf")] and got[0, 2].isfinite()
+    assert got[0, 3].isinf() == (dtype == torch.float16)
+    assert got[1, 0].isnan() and got[1, 1] == 1.0 and got[1, 128:].isnan().all()
 
 
 def test_other_layouts_and_gradient():

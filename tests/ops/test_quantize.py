@@ -4,6 +4,8 @@ The kernel runs compiled on a GPU, else in Triton's interpreter on CPU (where
 it rounds to FP8 in software; both paths are compared on the GPU).
 """
 
+import re
+
 import pytest
 import torch
 
@@ -178,6 +180,25 @@ def test_strided_rows_and_leading_dims():
     q3 = quantize_blockwise(x3, backend="triton")
     assert q3.shape == (4, 5, 256) and q3.rowwise_data.shape == (20, 256)
     assert q3.rowwise_scale_inv.shape == (20, 2)
+
+
+@pytest.mark.parametrize("layout", ["sliced", "expanded", "transposed", "expanded-along-k"])
+def test_transposed_sliced_and_expanded_inputs(layout):
+    """Sliced rows and columns, and rows expanded from one (stride 0), quantize in place to the bits of their
+    contiguous copy on every layout (rowwise with grouped 128x1 columnwise, 128x128): the kernels take any row
+    stride. A transposed input, or one expanded along K, has no unit stride along K, the documented requirement:
+    refused by name."""
+    base = torch.randn(256, 512, dtype=torch.bfloat16, device=KERNEL_DEVICE)
+    x = {"sliced": base[::2, 128:384], "expanded": base[:1, :256].expand(128, 256),
+         "transposed": base[:256, :128].t(), "expanded-along-k": base[:128, :1].expand(128, 256)}[layout]
+    if layout in ("transposed", "expanded-along-k"):
+        with pytest.raises(ValueError, match=re.escape(f"x must have unit stride in its last dimension, got strides "
+                                                       f"{x.stride()} for shape [128, 256]")):
+            quantize_blockwise(x, backend="triton")
+        return
+    for kw in (dict(columnwise=True, m_splits=[100, 28]), dict(block="128x128", columnwise=True)):
+        assert_same_fp8(quantize_blockwise(x, backend="triton", **kw),
+                        quantize_blockwise(x.contiguous(), backend="reference", **kw))
 
 
 def test_quantizer_and_recipe():

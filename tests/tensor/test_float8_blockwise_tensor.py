@@ -1,4 +1,5 @@
-"""Float8BlockwiseQTensor: construction checks, views, split, autograd, dispatch, pickling."""
+"""Float8BlockwiseQTensor: construction checks, views, split, autograd, dispatch, pickling, the columnwise groups
+it owns, strided components."""
 
 import io
 import pickle
@@ -6,7 +7,15 @@ import pickle
 import pytest
 import torch
 
-from transformer_engine_moe import Float8BlockwiseQTensor, quantize_blockwise
+from conftest import KERNEL_DEVICE, survives
+from transformer_engine_moe import (
+    Float8BlockwiseQTensor,
+    grouped_gemm,
+    grouped_gemm_wgrad,
+    quantize_blockwise,
+    scaling_aware_transpose,
+    transpose_grouped_weight,
+)
 
 
 def _q(m=300, k=256, **kw):
@@ -262,3 +271,138 @@ def test_grouped_columnwise_copy_is_flat_expert_major(as_tensor):
             own = quantize_blockwise(x[first:first + size], rowwise=False, columnwise=True)
             assert torch.equal(col[first:first + size], own.dequantize())
         first += size
+
+
+# ---------------------------------------------------------------------------- the groups it owns
+def _grouped(made_by: str, splits) -> Float8BlockwiseQTensor:
+    """A [300, 256] 1x128 tensor whose 128x1 columnwise copy is grouped by ``splits``, made by ``made_by``."""
+    x = torch.randn(300, 256)
+    if made_by == "quantize":
+        return quantize_blockwise(x, columnwise=True, m_splits=splits)
+    q = quantize_blockwise(x)
+    if made_by == "update_usage":
+        q.update_usage(columnwise_usage=True, m_splits=splits)
+        return q
+    t = scaling_aware_transpose(q, splits)
+    if made_by == "transpose":
+        return t
+    return Float8BlockwiseQTensor(shape=t.shape, dtype=t.dtype, fp8_dtype=t.fp8_dtype, columnwise_data=t.columnwise_data,
+                                  columnwise_scale_inv=t.columnwise_scale_inv, columnwise_m_splits=splits)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+@pytest.mark.parametrize("made_by", ["quantize", "transpose", "update_usage", "constructor"])
+def test_columnwise_groups_are_the_tensors_own_copy(made_by, as_tensor):
+    """Each way of making a grouped columnwise copy stores a copy of its groups (a list copy, a device tensor's
+    clone): other sizes written into the caller's splits afterwards change nothing the tensor, or a tensor made
+    from its storage (detach, view, clone, pickle), computes. ``columnwise_m_splits`` is a new list of the sizes
+    it was made with, or the caller's tensor itself (the identity ``grouped_gemm_wgrad`` checks). A device
+    tensor used to be kept by reference: the columnwise dequantize read the new sizes (silently wrong values;
+    sizes not summing to M crashed the process, next test)."""
+    splits = torch.tensor([100, 200]) if as_tensor else [100, 200]
+    t = _grouped(made_by, splits)
+    want = t.dequantize(usage="columnwise")
+    splits[0], splits[1] = 200, 100
+    for u in (t, t.detach(), t.view(3, 100, 256), t.clone(), pickle.loads(pickle.dumps(t))):
+        assert torch.equal(u.dequantize(usage="columnwise").view(300, 256), want)
+    if as_tensor:
+        assert t.columnwise_m_splits is splits and t.clone().columnwise_m_splits is splits
+    else:
+        t.columnwise_m_splits.append(0)  # a new list each time: the tensor's sizes stay its own
+        assert t.columnwise_m_splits == [100, 200]
+
+
+def test_sizes_written_into_the_callers_device_splits_once_crashed_the_process():
+    """The issue's reproducer, in its own process: sizes that are negative or do not sum to M, written into the
+    device splits after quantizing, made the columnwise dequantize index out of bounds (``free(): invalid
+    pointer`` or a segfault). The tensor now reads its own clone."""
+    out = survives("""
+import torch
+from transformer_engine_moe import quantize_blockwise
+t = torch.tensor([2, 4])
+q = quantize_blockwise(torch.randn(6, 256), columnwise=True, m_splits=t)
+want = q.dequantize(usage="columnwise")
+t[0] = -2; t[1] = 8
+print(torch.equal(q.dequantize(usage="columnwise"), want), q.columnwise_m_splits is t)
+""")
+    assert out.split() == ["True", "True"]
+
+
+def test_wgrad_takes_the_splits_its_operands_were_grouped_by():
+    """``grouped_gemm_wgrad`` checks each operand's groups against its ``m_splits``: host sizes by value, so
+    sizes the caller changed after the transposes are refused (the operands keep the ones they were made with);
+    a device tensor by identity: the tensor the transposes got passes although each operand reads its own
+    clone (``GroupedLinear`` passes the dispatcher's splits to both), an equal but other tensor is refused."""
+    x, dy = quantize_blockwise(torch.randn(256, 128)), quantize_blockwise(torch.randn(256, 128))
+    sizes = [128, 128]
+    want = grouped_gemm_wgrad(scaling_aware_transpose(dy, sizes), scaling_aware_transpose(x, sizes), sizes)
+    xt, dyt = scaling_aware_transpose(x, sizes), scaling_aware_transpose(dy, sizes)
+    sizes[0], sizes[1] = 64, 192
+    with pytest.raises(ValueError, match=r"grad_output's columnwise copy is grouped by \[128, 128\], not by these"):
+        grouped_gemm_wgrad(dyt, xt, sizes)
+    splits = torch.tensor([128, 128])
+    xt, dyt = scaling_aware_transpose(x, splits), scaling_aware_transpose(dy, splits)
+    assert torch.equal(grouped_gemm_wgrad(dyt, xt, splits), want)
+    with pytest.raises(ValueError, match="grouped by another tensor, not by these m_splits"):
+        grouped_gemm_wgrad(dyt, xt, torch.tensor([128, 128]))
+
+
+# ---------------------------------------------------------------------------- strided components
+def _view(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """2-D ``t`` as a non-contiguous view: "transposed" (the transpose of its contiguous transpose) and "sliced"
+    (every other row of a tensor twice as tall) hold its values; "expanded" broadcasts row 0 (stride 0)."""
+    if layout == "expanded":
+        return t[:1].expand(t.shape)
+    raw = t.view(torch.uint8) if t.element_size() == 1 else t  # FP8: moved as bytes
+    raw = raw.t().contiguous().t() if layout == "transposed" else torch.stack([raw, raw], dim=1)[:, 0]
+    return raw.view(t.dtype)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "expanded"])
+def test_rowwise_components_given_as_views_are_stored_contiguous(layout):
+    """Rowwise data and scales given as a transposed, sliced or expanded view are stored contiguous (a copy; this
+    package's own rowwise copies always are): the Triton dequantize, scaling-aware transpose, grouped GEMM and
+    weight transpose, which read them densely, equal the reference on contiguous copies of the views. The
+    kernels read a view's storage as if dense before (wrong values)."""
+    spread = torch.logspace(-3, 3, 256, device=KERNEL_DEVICE)  # scales differing along M and K
+    q = quantize_blockwise(torch.randn(256, 256, device=KERNEL_DEVICE) * spread[:, None])
+    w = quantize_blockwise(torch.randn(256, 256, device=KERNEL_DEVICE) * spread, "128x128")
+
+    def built(like, shape, data, scale):
+        return Float8BlockwiseQTensor(shape=shape, dtype=like.dtype, fp8_dtype=like.fp8_dtype, force_pow_2_scales=True,
+                                      is_2D_scaled=like.is_2D_scaled, rowwise_data=data, rowwise_scale_inv=scale)
+
+    data, scale = _view(q.rowwise_data, layout), _view(q.rowwise_scale_inv, layout)
+    wdata, wscale = _view(w.rowwise_data, layout), _view(w.rowwise_scale_inv, layout)
+    a, ref = built(q, (256, 256), data, scale), built(q, (256, 256), data.contiguous(), scale.contiguous())
+    wa, wref = built(w, (2, 128, 256), wdata, wscale), built(w, (2, 128, 256), wdata.contiguous(), wscale.contiguous())
+    assert all(c.is_contiguous() for c in (a.rowwise_data, a.rowwise_scale_inv, wa.rowwise_data, wa.rowwise_scale_inv))
+    assert torch.equal(a.dequantize(backend="triton"), ref.dequantize(backend="reference"))
+    got, want = (scaling_aware_transpose(t, [100, 156], backend=b) for t, b in ((a, "triton"), (ref, "reference")))
+    assert torch.equal(got.columnwise_data.view(torch.uint8), want.columnwise_data.view(torch.uint8))
+    assert torch.equal(got.columnwise_scale_inv, want.columnwise_scale_inv)
+    got, want = (transpose_grouped_weight(t, backend=b) for t, b in ((wa, "triton"), (wref, "reference")))
+    assert torch.equal(got.rowwise_data.view(torch.uint8), want.rowwise_data.view(torch.uint8))
+    assert torch.equal(grouped_gemm(a, wa, [100, 156], backend="triton"),
+                       grouped_gemm(ref, wref, [100, 156], backend="triton"))
+
+
+def test_columnwise_components_stay_views_and_the_wgrad_reads_them_densely():
+    """A columnwise copy is kept as given (``split`` makes strided column slices of the ``[K, M]`` transpose, zero
+    copy): the wgrad GEMM, the one kernel reading it, makes a strided one contiguous, so Triton on transposed
+    scales equals Triton on contiguous ones (it read them as dense before). Its data must be unit-stride along
+    its last dim, refused by name otherwise."""
+    spread = torch.logspace(-3, 3, 128, device=KERNEL_DEVICE)  # 128x1 scales differing along K
+    x, dy = (quantize_blockwise(torch.randn(256, 128, device=KERNEL_DEVICE) * spread, rowwise=False, columnwise=True,
+                                m_splits=[128, 128]) for _ in range(2))
+    scale = _view(x.columnwise_scale_inv, "transposed")
+    common = dict(shape=x.shape, dtype=x.dtype, fp8_dtype=x.fp8_dtype, force_pow_2_scales=True,
+                  columnwise_m_splits=[128, 128])
+    xs = Float8BlockwiseQTensor(**common, columnwise_data=x.columnwise_data, columnwise_scale_inv=scale)
+    assert xs.columnwise_scale_inv is scale
+    assert torch.equal(grouped_gemm_wgrad(dy, xs, [128, 128], backend="triton"),
+                       grouped_gemm_wgrad(dy, x, [128, 128], backend="triton"))
+    doubled = torch.stack([x.columnwise_data.view(torch.uint8)] * 2, dim=1).view(x.fp8_dtype)
+    with pytest.raises(ValueError, match=r"columnwise_data must be unit-stride in its last dimension, got strides "
+                                         r"\(2,\)"):
+        Float8BlockwiseQTensor(**common, columnwise_data=doubled[:, 0], columnwise_scale_inv=x.columnwise_scale_inv)

@@ -2,7 +2,9 @@
 ``t.dequantize()`` (``tensor/float8_blockwise_tensor.py``, which owns the autograd rule: straight-through).
 
 Rowwise 1x128 copies use the Triton kernel (``kernels/dequantize.py``) on the GPU; other layouts, float64
-outputs, non-contiguous data and the CPU use the reference (``reference/dequantize.py``).
+outputs and the CPU use the reference (``reference/dequantize.py``). Both cast the float32 product once, as
+TransformerEngine does: a finite value within one FP8 rounding step of the output dtype's max can come back
++-inf (``reference/dequantize.py``).
 """
 
 from __future__ import annotations

@@ -187,7 +187,10 @@ def _check_act(t, name: str, usage: str) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"{name} has no {usage} data (usages: {t.usages})")
     if t.shape[1] % 128:
         raise ValueError(f"{name}: the reduction/feature dim must be a multiple of 128, got shape {list(t.shape)}")
-    return data, t.rowwise_scale_inv if usage == "rowwise" else t.columnwise_scale_inv
+    if usage == "rowwise":  # stored contiguous (the tensor's rule)
+        return data, t.rowwise_scale_inv
+    # a columnwise copy may be a strided view (the tensor keeps split's column slices): the kernels read densely
+    return data.contiguous(), t.columnwise_scale_inv.contiguous()
 
 
 def _check_splits(m_splits: MSplits, m: int, groups: Optional[int], device) -> tuple[MSplits, int]:

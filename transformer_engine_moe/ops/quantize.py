@@ -49,7 +49,8 @@ class QuantizeArgs:
 
 
 def check_quantize_input(x, name: str = "x") -> torch.Tensor:
-    """Validate a quantization input ``[..., K]``; return its ``[M, K]`` view (no copy)."""
+    """Validate a quantization input ``[..., K]`` (unit stride along K, any row stride); return its ``[M, K]``
+    view (no copy)."""
     if isinstance(x, Float8BlockwiseQTensor):
         raise TypeError(f"{name} is already a Float8BlockwiseQTensor; dequantize() it first")
     if not isinstance(x, torch.Tensor):
@@ -132,7 +133,11 @@ def quantize_blockwise(
     """Quantize ``x [..., K]`` (bf16/fp16/fp32) to blockwise FP8 with COMPACT scales.
 
     Args:
-        x: input; leading dims flatten into M; unit stride along K. K need not
+        x: input; leading dims flatten into M; unit stride along K. Any row
+            stride (sliced, or rows expanded from one) is read in place, bitwise
+            as its contiguous copy; a transposed input, one expanded along K, or
+            leading dims that do not flatten without a copy are refused (ValueError
+            naming the strides: call ``.contiguous()``). K need not
             be a multiple of 128 (the last block is scaled over its valid
             elements, as TransformerEngine does); M may be 0.
         block: ``BlockShape.ROW_1x128`` (activations, gradients) or ``BlockShape.TILE_128x128``

@@ -1,7 +1,11 @@
 """Plain-PyTorch blockwise FP8 dequantization: the oracle and the CPU path of ``ops/dequantize.py``.
 
 Each FP8 code times its block's float32 ``scale_inv``, in float32, cast once to the output dtype (a NaN
-scale_inv, the quantizer's mark of a block that held +-inf, dequantizes the whole block to NaN). Layouts
+scale_inv, the quantizer's mark of a block that held +-inf, dequantizes the whole block to NaN). The cast
+does not saturate, as TransformerEngine's dequantize (the same float32 product, then ``.to(dtype)``): a
+finite input whose FP8 code rounded up past the output dtype's max comes back +-inf, e.g. with E4M3 and
+power-of-two scales every fp16 value from 63488 to 65504 (scale 2**-8, code 256, 256 * 2**8 = 65536), and
+bf16/fp32 values within about 3% of their max (2**128). The Triton kernel computes the same bits. Layouts
 (COMPACT, ``layout.py``): rowwise 1x128 ``[M, K]`` with ``[M, ceil(K/128)]`` scales; columnwise 128x1
 ``[K, M]`` (grouped: expert-major ``[M*K]``) with ``[num_column_blocks, K]`` scales; 128x128 ``[M, K]``
 with ``[ceil(M/128), ceil(K/128)]`` scales.

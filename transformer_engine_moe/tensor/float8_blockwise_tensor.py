@@ -25,7 +25,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..backend import REFERENCE, Implementation, implementation
-from ..layout import MSplits, check_m_splits, columnwise_data_shape, compact_to_gemm_ready, num_column_blocks
+from ..layout import (MSplits, OwnedSplits, check_m_splits, columnwise_data_shape, compact_to_gemm_ready,
+                      num_column_blocks, own_m_splits)
 from ..recipe import BLOCK_SIZE, FP8_DTYPES, HIGH_PRECISION_DTYPES, BlockShape
 from .views import Reshape, Split, reshaped, shape_arg
 
@@ -62,8 +63,9 @@ def _check_component(name, data, scale_inv, data_shape, scale_shape, fp8_dtype, 
         raise TypeError(f"{name}_data must have dtype {fp8_dtype}, got {data.dtype}")
     if tuple(data.shape) != data_shape:
         raise ValueError(f"{name}_data must have shape {list(data_shape)}, got {list(data.shape)}")
-    if data.shape[-1] > 1 and data.stride(-1) != 1 and data.numel() > 0:
-        raise ValueError(f"{name}_data must be unit-stride in its last dimension, strides {data.stride()}")
+    if name == "columnwise" and data.shape[-1] > 1 and data.stride(-1) != 1 and data.numel() > 0:
+        raise ValueError(f"columnwise_data must be unit-stride in its last dimension, got strides {data.stride()} "
+                         f"for shape {list(data.shape)}: make it contiguous")
     if scale_inv.dtype != torch.float32:
         raise TypeError(f"{name}_scale_inv must be float32, got {scale_inv.dtype}")
     if tuple(scale_inv.shape) != scale_shape:
@@ -82,13 +84,19 @@ class Float8BlockwiseQTensor(torch.Tensor):
         dtype: nominal high-precision dtype (bf16, fp16 or fp32).
         fp8_dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
         rowwise_data: FP8 ``[M, K]``; rowwise_scale_inv: float32 ``[M, ceil(K/128)]``
-            (1x128) or ``[ceil(M/128), ceil(K/128)]`` (128x128).
+            (1x128) or ``[ceil(M/128), ceil(K/128)]`` (128x128). Stored contiguous: a strided
+            (sliced, transposed, expanded) one is copied, as every kernel reading a rowwise copy
+            (dequantize, transpose, GEMMs, permute) reads it densely.
         columnwise_data: FP8 ``[K, M]``, or with ``columnwise_m_splits`` the expert-major
             ``[M*K]`` (each group's ``[K, m_g]`` transpose after the previous one, ``layout.py``);
             columnwise_scale_inv: float32 ``[num_column_blocks, K]`` (128x1) or
-            ``[ceil(K/128), ceil(M/128)]`` (128x128).
+            ``[ceil(K/128), ceil(M/128)]`` (128x128). Kept as given, strided views included (data
+            unit-stride along its last dim): ``split`` makes column slices of ``[K, M]``; the wgrad
+            GEMM, the one kernel reading this copy, makes a strided one contiguous.
         columnwise_m_splits: groups of rows (list or device tensor) whose 128x1
-            columnwise blocks restart at each group boundary; None: one group.
+            columnwise blocks restart at each group boundary; None: one group. The tensor
+            keeps its own copy (a list copy, a device tensor's clone: ``layout.own_m_splits``),
+            so later writes into the caller's splits do not reach it.
         is_2D_scaled: 128x128 blocks (weights) instead of 1x128 / 128x1.
         force_pow_2_scales: every scale is a power of two (what the scaling-aware
             transpose needs); set by the quantizer (TE's quantizer's name; ``pow2_scales``
@@ -124,15 +132,18 @@ class Float8BlockwiseQTensor(torch.Tensor):
         m = math.prod(shape[:-1])
         if columnwise_m_splits is not None and (is_2D_scaled or columnwise_data is None):
             raise ValueError("columnwise_m_splits needs 1x128-scaled columnwise data")
-        columnwise_m_splits = check_m_splits(columnwise_m_splits, m, "columnwise_m_splits", device)
+        splits = own_m_splits(columnwise_m_splits, m, "columnwise_m_splits", device)
+        groups = None if splits is None else splits.values
         _check_component(
             "rowwise", rowwise_data, rowwise_scale_inv, (m, k),
             scale_inv_shape(m, k, is_2D_scaled, False), fp8_dtype, device,
         )
         _check_component(
-            "columnwise", columnwise_data, columnwise_scale_inv, columnwise_data_shape(m, k, columnwise_m_splits),
-            scale_inv_shape(m, k, is_2D_scaled, True, columnwise_m_splits), fp8_dtype, device,
+            "columnwise", columnwise_data, columnwise_scale_inv, columnwise_data_shape(m, k, groups),
+            scale_inv_shape(m, k, is_2D_scaled, True, groups), fp8_dtype, device,
         )
+        if rowwise_data is not None:  # the kernels read rowwise copies densely: a view is copied
+            rowwise_data, rowwise_scale_inv = rowwise_data.contiguous(), rowwise_scale_inv.contiguous()
         self = torch.Tensor._make_wrapper_subclass(
             cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
         )
@@ -140,7 +151,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
         self._rowwise_scale_inv = rowwise_scale_inv
         self._columnwise_data = columnwise_data
         self._columnwise_scale_inv = columnwise_scale_inv
-        self._columnwise_m_splits = columnwise_m_splits
+        self._set_columnwise_m_splits(splits)
         self._fp8_dtype = fp8_dtype
         self._is_2D_scaled = bool(is_2D_scaled)
         self._force_pow_2_scales = bool(force_pow_2_scales if pow2_scales is None else pow2_scales)
@@ -193,8 +204,22 @@ class Float8BlockwiseQTensor(torch.Tensor):
 
     @property
     def columnwise_m_splits(self) -> MSplits:
-        """Row groups the 128x1 columnwise blocks restart at (list or device tensor), or None."""
-        return self._columnwise_m_splits
+        """Row groups the 128x1 columnwise blocks restart at, or None: a new list of the host sizes, or the
+        device tensor the copy was made with, for ``grouped_gemm_wgrad``'s check that it gets the same splits
+        (``layout.OwnedSplits.as_given``; the tensor itself reads its clone of it)."""
+        return None if self._columnwise_m_splits is None else self._owned_splits().as_given()
+
+    def _owned_splits(self) -> Optional[OwnedSplits]:
+        """The columnwise groups as owned (shared as they are by tensors made from this one's storage)."""
+        if self._columnwise_m_splits is None:
+            return None
+        return OwnedSplits(self._columnwise_m_splits, self._columnwise_m_splits_given)
+
+    def _set_columnwise_m_splits(self, splits: Optional[OwnedSplits]) -> None:
+        """Keep ``splits`` as two attributes: ``_columnwise_m_splits``, the values every method here reads (a
+        list, or a device tensor that ``__tensor_flatten__`` names), and the caller's tensor they came from."""
+        self._columnwise_m_splits = None if splits is None else splits.values
+        self._columnwise_m_splits_given = None if splits is None else splits.given
 
     @property
     def usages(self) -> tuple[str, ...]:
@@ -209,7 +234,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
             rowwise_scale_inv=self._rowwise_scale_inv,
             columnwise_data=self._columnwise_data,
             columnwise_scale_inv=self._columnwise_scale_inv,
-            columnwise_m_splits=self._columnwise_m_splits,
+            columnwise_m_splits=self._owned_splits(),
         )
 
     def _make_like(self, *, shape=None, requires_grad=False, **components) -> "Float8BlockwiseQTensor":
@@ -226,16 +251,25 @@ class Float8BlockwiseQTensor(torch.Tensor):
         )
 
     def __tensor_flatten__(self):
-        """The inner tensors and the metadata: ``torch.compile`` traces the tensor through them."""
+        """The inner tensors (attribute names) and the metadata: ``torch.compile`` traces the tensor through
+        them (Dynamo reads an attribute of an in-graph tensor only if it is named here). Device splits are two
+        inner tensors: ``columnwise_m_splits`` (the caller's tensor, what the property returns) and
+        ``_columnwise_m_splits`` (the owned clone); host ones are metadata."""
         inner = [k for k, v in self._components().items() if isinstance(v, torch.Tensor)]
-        splits = self._columnwise_m_splits if isinstance(self._columnwise_m_splits, list) else None
+        splits = self._columnwise_m_splits
+        if isinstance(splits, torch.Tensor):
+            inner += ["columnwise_m_splits", "_columnwise_m_splits"]
+        splits = splits if isinstance(splits, list) else None
         return inner, (self.dtype, self._fp8_dtype, self._is_2D_scaled, self._force_pow_2_scales, splits)
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, meta: tuple, outer_size, outer_stride) -> "Float8BlockwiseQTensor":
         dtype, fp8_dtype, is_2D_scaled, force_pow_2_scales, splits = meta
+        inner = dict(inner)
+        if "_columnwise_m_splits" in inner:
+            splits = OwnedSplits(inner.pop("_columnwise_m_splits"), inner.pop("columnwise_m_splits"))
         if splits is not None:
-            inner = {**inner, "columnwise_m_splits": splits}
+            inner["columnwise_m_splits"] = splits
         return Float8BlockwiseQTensor(shape=outer_size, dtype=dtype, fp8_dtype=fp8_dtype, is_2D_scaled=is_2D_scaled,
                                       force_pow_2_scales=force_pow_2_scales, **inner)
 
@@ -247,9 +281,11 @@ class Float8BlockwiseQTensor(torch.Tensor):
         )
 
     def __reduce_ex__(self, protocol):
-        # FP8 data travels as uint8 views: plain pickle cannot serialise float8 storages (torch 2.11-2.13)
+        # FP8 data travels as uint8 views: plain pickle cannot serialise float8 storages (torch 2.11-2.13);
+        # the groups as the owned values (a copy is unpickled: no identity to keep)
         components = {k: (v.view(torch.uint8) if k.endswith("_data") and v is not None else v)
                       for k, v in self._components().items()}
+        components["columnwise_m_splits"] = self._columnwise_m_splits
         return (
             _rebuild,
             (tuple(self.shape), self.dtype, self._fp8_dtype, self._is_2D_scaled, self._force_pow_2_scales, components),
@@ -287,14 +323,17 @@ class Float8BlockwiseQTensor(torch.Tensor):
         the gradient passes straight through (cast to the nominal dtype). A rowwise
         1x128 copy runs the Triton kernel on the GPU (``backend``: ``"auto"``,
         ``"triton"`` or ``"reference"``, ``backend.py``); other layouts, float64
-        outputs, non-contiguous data and the CPU run ``reference/dequantize.py``.
+        outputs and the CPU run ``reference/dequantize.py``. Both compute each FP8 value times its
+        block's scale_inv in float32 and cast the product once to ``dtype``, as TransformerEngine
+        does: a finite value within one FP8 rounding step of ``dtype``'s max can come out +-inf
+        (``reference/dequantize.py``).
         """
         if dtype not in HIGH_PRECISION_DTYPES + (torch.float64,):
             raise TypeError(f"dequantize dtype must be a floating dtype, got {dtype}")
         usage = self._check_usage(usage)
         impl = implementation(backend, self, "dequantize")
-        if dtype == torch.float64 or (usage == "rowwise" and not self._rowwise_data.is_contiguous()):
-            impl = REFERENCE  # the 1x128 kernel writes bf16/fp16/fp32 from contiguous rows
+        if dtype == torch.float64:
+            impl = REFERENCE  # the 1x128 kernel writes bf16/fp16/fp32
         return _Dequantize.apply(self, dtype, usage, impl)
 
     def scale_inv_gemm_ready(self, usage: str = "rowwise") -> torch.Tensor:
@@ -329,11 +368,12 @@ class Float8BlockwiseQTensor(torch.Tensor):
                 self._columnwise_scale_inv = self._rowwise_scale_inv.t().contiguous()
             else:
                 self._check_transposable()
-                m_splits = check_m_splits(m_splits, self._rowwise_data.shape[0], device=self.device)
-                col = scaling_aware_columnwise(self, m_splits, implementation("auto", self, "update_usage"))
+                splits = own_m_splits(m_splits, self._rowwise_data.shape[0], device=self.device)
+                col = scaling_aware_columnwise(self, None if splits is None else splits.values,
+                                               implementation("auto", self, "update_usage"))
                 self._columnwise_data = col["columnwise_data"]
                 self._columnwise_scale_inv = col["columnwise_scale_inv"]
-                self._columnwise_m_splits = col["columnwise_m_splits"]
+                self._set_columnwise_m_splits(splits)
         if want_row and self._rowwise_data is None:
             if not self._is_2D_scaled:
                 raise ValueError("a columnwise-only 1x128 tensor cannot recover rowwise data")
@@ -342,7 +382,8 @@ class Float8BlockwiseQTensor(torch.Tensor):
         if not want_row:
             self._rowwise_data = self._rowwise_scale_inv = None
         if not want_col:
-            self._columnwise_data = self._columnwise_scale_inv = self._columnwise_m_splits = None
+            self._columnwise_data = self._columnwise_scale_inv = None
+            self._set_columnwise_m_splits(None)
 
     def _check_transposable(self) -> None:
         """Raise unless the scaling-aware transpose can make this tensor's 128x1 copy: rowwise 1x128 data
@@ -404,7 +445,7 @@ class Float8BlockwiseQTensor(torch.Tensor):
         if func in (aten.detach.default, aten.alias.default):
             return args[0]._make_like()
         if func is aten.clone.default:
-            src = args[0]  # data and scales copied; columnwise_m_splits (metadata) kept as the same object
+            src = args[0]  # data and scales copied; columnwise_m_splits (owned metadata) shared
             return src._make_like(**{k: (v.clone() if v is not None and k != "columnwise_m_splits" else v)
                                      for k, v in src._components().items()})
         if func in (aten.view.default, aten._unsafe_view.default) and isinstance(args[0], cls):
