@@ -20,6 +20,19 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+def _parse_member(enum_cls, value, name: str):
+    """``value`` (a member of ``enum_cls`` or its string value) as a member; ValueError naming ``name`` otherwise.
+    A lookup, not ``enum_cls(value)``: torch 2.11's Dynamo cannot trace an Enum's call, and this runs inside
+    compiled ops."""
+    if isinstance(value, enum_cls):
+        return value
+    member = enum_cls._value2member_map_.get(value) if isinstance(value, str) else None
+    if member is None:
+        raise ValueError(f"{name} must be a {enum_cls.__name__} or one of {[m.value for m in enum_cls]}, "
+                         f"got {value!r}")
+    return member
+
+
 class BlockShape(str, enum.Enum):
     """The scaling block of a blockwise FP8 tensor (TransformerEngine's ``block_scaling_dim`` 1 or 2).
 
@@ -45,14 +58,8 @@ class BlockShape(str, enum.Enum):
 
     @classmethod
     def parse(cls, block, name: str = "block") -> "BlockShape":
-        """``block`` (a member or its string) as a member; ValueError naming ``name`` otherwise. (A lookup, not
-        ``cls(block)``: torch 2.11's Dynamo cannot trace an Enum's call, and this runs inside compiled ops.)"""
-        if isinstance(block, cls):
-            return block
-        member = cls._value2member_map_.get(block) if isinstance(block, str) else None
-        if member is None:
-            raise ValueError(f"{name} must be a BlockShape or one of {[b.value for b in cls]}, got {block!r}")
-        return member
+        """``block`` (a member or its string) as a member; ValueError naming ``name`` otherwise."""
+        return _parse_member(cls, block, name)
 
 
 class Format(enum.Enum):
@@ -78,14 +85,8 @@ class Role(enum.Enum):
 
     @classmethod
     def parse(cls, role, name: str = "role") -> "Role":
-        """``role`` (a member or its string) as a member; ValueError naming ``name`` otherwise (a lookup, as
-        ``BlockShape.parse``: traceable by Dynamo)."""
-        if isinstance(role, cls):
-            return role
-        member = cls._value2member_map_.get(role) if isinstance(role, str) else None
-        if member is None:
-            raise ValueError(f"{name} must be a Role or one of {[r.value for r in cls]}, got {role!r}")
-        return member
+        """``role`` (a member or its string) as a member; ValueError naming ``name`` otherwise."""
+        return _parse_member(cls, role, name)
 
 
 @dataclass(frozen=True, slots=True)
