@@ -275,7 +275,7 @@ class FP8FlowMoE(nn.Module):
         _check_tensor("probs", probs, PROB_DTYPES, dims, device)
         check_is_first_microbatch(is_first_microbatch)
         topk_ids, topk_probs = routing_map_to_topk(probs, routing_map, self.topk)
-        return self.forward_topk(hidden, topk_ids, topk_probs, is_first_microbatch)
+        return self._forward_topk(hidden, topk_ids, topk_probs, is_first_microbatch)
 
     def forward_topk(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
                      is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
@@ -288,8 +288,13 @@ class FP8FlowMoE(nn.Module):
         _check_tensor("topk_ids", topk_ids, (torch.int64,), dims, device)
         _check_tensor("topk_probs", topk_probs, PROB_DTYPES, dims, device)
         check_is_first_microbatch(is_first_microbatch)
+        return self._forward_topk(hidden, topk_ids, topk_probs, is_first_microbatch)
+
+    def _forward_topk(self, hidden, topk_ids, topk_probs, is_first_microbatch):
+        """``forward_topk`` on arguments already checked (by it, or by ``forward``, whose ids and probs come from
+        ``routing_map_to_topk``): each is checked once per call."""
         if hidden.dtype == torch.float32:
-            return self.forward_topk(hidden.bfloat16(), topk_ids, topk_probs, is_first_microbatch).float()
+            return self._forward_topk(hidden.bfloat16(), topk_ids, topk_probs, is_first_microbatch).float()
         # The weights' quantization (reusing a cache: W's byte transpose from the cached W^T) is queued while the
         # host waits for the dispatch's counts: the GPU runs it then, and while the host issues the permute after
         # the wait (it would idle there).
