@@ -38,7 +38,8 @@ each variant also probes memory (``megatron_memory_probes``: ``activation_mib_pe
 iterations; the other repeats run without probes. ``--repeats`` (3) runs the variants interleaved; each row
 gives the median tokens/s with its spread. Each run is one ``torchrun`` bounded by ``--run-timeout``;
 ``--time-budget`` stops starting runs when the next might not finish in it. Results go to
-``benchmarks/results/bench_megatron_pretrain_{config}_ep{GPUs}.json`` / ``.md`` / ``.png`` after every run:
+``benchmarks/results/bench_megatron_pretrain_{config}_ep{GPUs}.json`` / ``.md`` / ``.png`` after every run
+(``..._te`` where TransformerEngine ran the model's path: a table of its own):
 
     python benchmarks/bench_megatron_pretrain.py --config qwen3_moe_like --repeats 3 --time-budget 530
 """
@@ -313,7 +314,8 @@ def main(argv=None):
                "local (--transformer-impl local) with the torch SDPA core attention",
                warmup_iters=args.warmup_iters, apex_wgrad_fusion=apex_wgrad_fusion(),
                deep_gemm="importable" if _importable("deep_gemm") else "absent")
-    stored = utils.RESULTS_DIR / f"bench_megatron_pretrain_{args.config}_ep{gpus}.json"
+    name = f"bench_megatron_pretrain_{args.config}_ep{gpus}" + ("_te" if te else "")  # TE's path: its own table
+    stored = utils.RESULTS_DIR / f"{name}.json"
     kept = json.loads(stored.read_text())["results"] if stored.exists() else []
     rows = {(r["config"], r["variant"]): r for r in kept}
     runs = {variant: [] for variant in args.variants}
@@ -338,12 +340,12 @@ def main(argv=None):
                                                          "max_micro_batch", "error")}, flush=True)
         runs[variant].append(row)
         rows[args.config, variant] = combine(runs[variant])
-        path = write(args.config, list(rows.values()), env)  # after every run: a call cut short keeps the runs done
+        path = write(name, list(rows.values()), env)  # after every run: a call cut short keeps the runs done
     print(path.read_text() if path else "no run started")
 
 
-def write(config: str, rows: list[dict], env: dict) -> pathlib.Path:
-    """``rows`` -> ``bench_megatron_pretrain_{config}_ep{GPUs}`` .json / .md / .png under benchmarks/results,
+def write(name: str, rows: list[dict], env: dict) -> pathlib.Path:
+    """``rows`` -> ``name`` .json / .md / .png under benchmarks/results,
     each row with its tokens/s against the stand-in's of its config (``vs_bf16_grouped_mm``); the .md path."""
     stand_in = {r["config"]: r.get("tokens_per_s_per_gpu") for r in rows if r["variant"] == "bf16_grouped_mm"}
     for r in rows:
@@ -370,7 +372,7 @@ def write(config: str, rows: list[dict], env: dict) -> pathlib.Path:
         "doubling from `micro_batch_size` then bisection, capped (`max_micro_batch_capped`: the cap trained). "
         "`attention`, `optimizer`, `grad_accumulation`: what the run reported it ran. Commands: the `command` "
         "field of each row in the JSON; docs/megatron.md.")
-    path = utils.write_results(f"bench_megatron_pretrain_{config}_ep{env['gpus']}",
+    path = utils.write_results(name,
                                f"Megatron pretrain at EP={env['gpus']}: BF16 grouped stand-in vs FP8-Flow",
                                env, {}, rows, columns, notes=notes,
                                formats={"vs_bf16_grouped_mm": ".3f", "tokens_per_s_spread": ".1%"})

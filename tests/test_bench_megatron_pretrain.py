@@ -259,6 +259,20 @@ def test_repeats_interleave_the_variants_probe_the_first_and_write_after_every_r
     assert (tmp_path / "bench_megatron_pretrain_qwen3_moe_like_ep1.png").exists()
 
 
+def test_transformer_engines_path_writes_a_table_of_its_own(tmp_path, monkeypatch):
+    """With TE importable every run takes TE's path (its attention, optimizer and linears): its rows go to
+    ``..._te``, so a call with TE never mixes its rows into the local path's table (nor replaces them)."""
+    (tmp_path / "bench_megatron_pretrain_qwen3_moe_like_ep1.json").write_text(json.dumps({"results": [
+        dict(config="qwen3_moe_like", variant="bf16_grouped_mm", tokens_per_s_per_gpu=50.0)]}))
+    _fake_machine(monkeypatch, tmp_path, {"bf16_grouped_mm": [100.0]}, te="2.20.0")
+    bench.main(["--variants", "bf16_grouped_mm", "--repeats", "1"])
+    te_rows = json.loads((tmp_path / "bench_megatron_pretrain_qwen3_moe_like_ep1_te.json").read_text())
+    assert [r["tokens_per_s_per_gpu"] for r in te_rows["results"]] == [100.0]
+    assert te_rows["environment"]["transformer_engine"] == "2.20.0"
+    local = json.loads((tmp_path / "bench_megatron_pretrain_qwen3_moe_like_ep1.json").read_text())
+    assert [r["tokens_per_s_per_gpu"] for r in local["results"]] == [50.0]
+
+
 def test_time_budget_stops_starting_runs(tmp_path, monkeypatch):
     order = _fake_machine(monkeypatch, tmp_path, {"bf16_grouped_mm": [100.0] * 3})
     now, fake_run = [0.0], bench.run
