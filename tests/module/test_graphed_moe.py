@@ -97,6 +97,8 @@ def test_gpu_replays_equal_eager_over_steps(case):
                 assert torch.equal(a, b), (s, m, how, i)
             if m == 0:
                 outputs.append(got[0])
+            # the first backward ran eagerly; its graph was captured at the next call, before that forward
+            assert (graphed._captured.backward_graph is None) == (s == m == 0), (s, m)
             assert len(fired[0]) == len(fired[1]) == (params if grads != "grad" else 0)  # DDP's hooks, once each
             fired[0].clear(), fired[1].clear()
         assert graphed.captured
@@ -179,3 +181,38 @@ def test_cpu_training_call_is_refused_and_evaluation_runs_eagerly():
     graphed.block.eval()
     assert torch.equal(graphed(x, probs, routing_map), graphed.block(x, probs, routing_map))
     assert not graphed.captured
+
+
+def test_deferred_backward_captures_run_in_order_and_never_inside_a_backward():
+    """The pool captures the backward graphs its blocks' eager first backwards deferred, in the order those ran
+    (the order they replay), each once, at the next training call: never while autograd's backward runs (a
+    forward re-run inside it), where the engine could run other ready nodes inside the capture."""
+
+    class Block:
+        def __init__(self, name, captured):
+            self.name, self.captured = name, captured
+
+        def _capture_backward(self):
+            self.captured.append(self.name)
+
+    captured, pool = [], GraphPool()
+    second, first = Block("layer 2", captured), Block("layer 1", captured)
+    for block in (second, first, second):  # backward runs the last layer first; a second deferral is one
+        pool.defer(block)
+
+    class CallInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            pool.capture_deferred()
+            return grad
+
+    CallInBackward.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert captured == []
+    pool.capture_deferred()
+    assert captured == ["layer 2", "layer 1"]
+    pool.capture_deferred()
+    assert captured == ["layer 2", "layer 1"]

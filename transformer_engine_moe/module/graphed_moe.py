@@ -21,8 +21,13 @@ read built; with ``main_grad`` fusion the warm-up adds zeros into ``main_grad``)
   the weights in place) reaches the graphs at the next True;
 - forward: ``block(hidden, probs, routing_map, is_first_microbatch=False)`` on static inputs ``[T, H]``,
   ``[T, E]``, ``[T, E]`` (``T`` as at capture; with ``moe_expert`` the checkpoint's first pass);
-- backward: captured at the first backward: the gradients of ``hidden``, ``probs`` and the weights (with
-  ``moe_expert`` the rerun inside).
+- backward: the gradients of ``hidden``, ``probs`` and the weights (with ``moe_expert`` the rerun inside).
+  The first backward runs eagerly through the captured forward's autograd graph (kept), and the backward graph
+  is captured at the next training call of a block of the pool, outside autograd's backward: a capture inside
+  it (a reentrant ``torch.autograd.grad``) let the autograd engine run the surrounding backward's ready nodes
+  on the capturing thread, recording them into the graph (with DDP's overlapped gradient reduction, its
+  collectives broke the capture: ``cudaErrorStreamCaptureImplicit``). The deferred captures run in the order
+  their eager backwards ran: the order they replay.
 
 Weight gradients, as the eager block gives them:
 
@@ -69,15 +74,31 @@ class GraphPool:
     """One CUDA-graph memory pool for the graphs of several ``GraphedFP8FlowMoE``s captured and replayed in one
     order (a model's layers), as ``torch.cuda.make_graphed_callables`` shares one across its callables: memory a
     graph frees during its capture serves the graphs captured after it, instead of every layer keeping its own
-    temporaries. Made at the first capture (it needs CUDA)."""
+    temporaries. Made at the first capture (it needs CUDA). It also holds the backward captures deferred by the
+    blocks' first (eager) backwards, in the order those ran."""
 
     def __init__(self):
         self._handle = None
+        self._deferred: list = []
 
     def handle(self):
         if self._handle is None:
             self._handle = torch.cuda.graph_pool_handle()
         return self._handle
+
+    def defer(self, graphed: "GraphedFP8FlowMoE") -> None:
+        """``graphed``'s backward graph is to be captured at the next ``capture_deferred``."""
+        if graphed not in self._deferred:
+            self._deferred.append(graphed)
+
+    def capture_deferred(self) -> None:
+        """Capture the deferred backward graphs, in the order their eager backwards ran; nothing while autograd's
+        backward runs (a forward re-run inside it, e.g. Megatron's full recompute), where its other ready nodes
+        could run inside the capture."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        while self._deferred:
+            self._deferred.pop(0)._capture_backward()
 
 
 @dataclasses.dataclass(slots=True)
@@ -154,6 +175,7 @@ class GraphedFP8FlowMoE:
             return self.block(hidden, probs, routing_map, is_first_microbatch)
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
+        self.pool.capture_deferred()
         if self._captured is None:
             self._captured = self._capture(hidden, probs, routing_map)
         else:
@@ -166,7 +188,7 @@ class GraphedFP8FlowMoE:
     # ------------------------------------------------------------------ capture
     def _capture(self, hidden, probs, routing_map) -> _Captured:
         """Warm up, then capture the weights and forward graphs (the backward graph waits for the first
-        backward: graphs sharing a pool must be captured in the order they replay)."""
+        backward to run eagerly: graphs sharing a pool must be captured in the order they replay)."""
         _check_capturable(hidden, probs, routing_map)
         block = self.block
         inputs = (hidden.detach().clone(), probs.detach().clone(), routing_map.detach().clone())
@@ -199,23 +221,30 @@ class GraphedFP8FlowMoE:
                          output=out.detach(), addresses=_addresses(params, main_grad), tables=tables,
                          pending_output=out)
 
-    def _capture_backward(self, c: _Captured) -> None:
-        """The backward graph, from the captured forward's autograd graph (consumed here)."""
-        self._install_caches(c)  # what a moe_expert rerun reads
+    def _capture_backward(self) -> None:
+        """The backward graph, from the captured forward's autograd graph (consumed here); called outside
+        autograd's backward (``GraphPool.capture_deferred``)."""
+        c = self._captured
         c.grad_output = torch.empty_like(c.output)
         c.backward_graph = torch.cuda.CUDAGraph()
-        fused = self.block.linear_fc1.fuse_wgrad_accumulation
         with torch.cuda.graph(c.backward_graph, pool=self.pool.handle(), capture_error_mode="thread_local"):
-            grads = torch.autograd.grad(c.pending_output, [*c.leaves[:2], *c.params], c.grad_output)
-            if c.main_grad and not fused:  # what DDP's hook adds from .grad: same dtypes, same sums
-                main_grads = [p.main_grad for p in c.params]
-                if _accumulates_into_main_grad(c.params):
-                    torch._foreach_add_(main_grads, list(grads[2:]))
-                else:
-                    torch._foreach_copy_(main_grads, list(grads[2:]))
-            c.grads = grads[:2] if c.main_grad else grads
-            del grads
+            c.grads = self._gradients(c, c.grad_output, retain_graph=False)
         c.pending_output = None
+
+    def _gradients(self, c: _Captured, grad_output: torch.Tensor, retain_graph: bool) -> tuple:
+        """Through the captured forward's autograd graph: the gradients of ``hidden`` and ``probs``, the weights'
+        added into their ``main_grad`` (what DDP's hook adds from ``.grad``: same dtypes, same sums; the block's
+        own fused accumulation adds them itself) or returned after those two."""
+        self._install_caches(c)  # what a moe_expert rerun reads
+        grads = torch.autograd.grad(c.pending_output, [*c.leaves[:2], *c.params], grad_output,
+                                    retain_graph=retain_graph)
+        if c.main_grad and not self.block.linear_fc1.fuse_wgrad_accumulation:
+            main_grads = [p.main_grad for p in c.params]
+            if _accumulates_into_main_grad(c.params):
+                torch._foreach_add_(main_grads, list(grads[2:]))
+            else:
+                torch._foreach_copy_(main_grads, list(grads[2:]))
+        return grads[:2] if c.main_grad else grads
 
     # ------------------------------------------------------------------ replay
     def _check_inputs(self, hidden, probs, routing_map) -> None:
@@ -259,15 +288,18 @@ class GraphedFP8FlowMoE:
                                "one micro-batch in flight: a forward, then its backward, before the next forward (no "
                                "pipeline schedules, no forward re-run in backward)")
         self._awaiting_backward = None
-        if c.backward_graph is None:
-            self._capture_backward(c)
-        c.grad_output.copy_(grad)
-        c.backward_graph.replay()
+        if c.backward_graph is None:  # eagerly, keeping the autograd graph for the deferred capture
+            grads = self._gradients(c, grad, retain_graph=True)
+            self.pool.defer(self)
+        else:
+            c.grad_output.copy_(grad)
+            c.backward_graph.replay()
+            grads = c.grads
         if not c.main_grad:
-            return c.grads
+            return grads
         for p in c.params:
             p.grad_added_to_main_grad = True
-        return (*c.grads, *(_placeholder_wgrad(p) for p in c.params))
+        return (*grads, *(_placeholder_wgrad(p) for p in c.params))
 
 
 def _check_capturable(hidden, probs, routing_map) -> None:
