@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build TransformerEngine (PyTorch, sm_90 only) on a Hopper GPU machine from the kit of
 # ../shared/tools/te/fetch.sh (carried as .te), slimmed so it fits one session's device time.
-#   bash tools/build_te.sh KIT [JOBS] [SECONDS]   -> TE installed under /tmp/tesite (PYTHONPATH) on success
+#   bash tools/build_te.sh KIT [JOBS] [SECONDS] [OUTDIR]   -> TE installed under /tmp/tesite (PYTHONPATH) on success;
+#   with OUTDIR (e.g. $OUT) also /tmp/tesite as OUTDIR/tesite.tgz.part* (15 MB each, about 47 MB in all), to
+#   keep in .te/built and carry on later calls: cat .te/built/tesite.tgz.part* | tar xzf - -C /tmp
 # Slim: the six grouped-activation translation units (activation/*_grouped*.cu: nvte_group_{gelu,relu,silu,...},
 # kernels for NVTEGroupedTensor inputs, which TE's PyTorch extension never calls; they serve Blackwell's fused
 # grouped MLP) are compiled as stubs that raise NVTE_ERROR naming the function. Every other source, the Hopper
@@ -10,7 +12,7 @@
 # JOBS defaults to the machine's cores; the ninja log (each step's start and end) is left in /tmp/te_ninja_log.
 # docs/transformer_engine.md gives the measured times.
 set -uo pipefail
-kit=$(cd "$1" && pwd); jobs=${2:-$(nproc)}; budget=${3:-540}
+kit=$(cd "$1" && pwd); jobs=${2:-$(nproc)}; budget=${3:-540}; outdir=${4:-}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p /tmp/teb && cd /tmp/teb
 if [ ! -d te ]; then
@@ -34,4 +36,5 @@ cp /tmp/teb/cmake/.ninja_log /tmp/te_ninja_log 2>/dev/null
 grep -E "^\[[0-9]+/[0-9]+\]" /tmp/te_build.log | tail -2
 [ $rc -eq 0 ] || grep -iE "error|fatal" /tmp/te_build.log | grep -v "Werror\|-Wno" | head -15
 du -sh /tmp/tesite/transformer_engine 2>/dev/null
+[ $rc -eq 0 ] && [ -n "$outdir" ] && tar czf - -C /tmp tesite | split -b 15M - "$outdir/tesite.tgz.part"
 exit $rc
