@@ -131,6 +131,10 @@ def parse_args(argv) -> argparse.Namespace:
     if args.moe_fp8_flow_cuda_graph:
         parser.error("--moe-fp8-flow-cuda-graph replays CUDA graphs: the compact loop is the CPU path (on a GPU, "
                      "Megatron's pretrain runs it: megatron-core 0.19)")
+    if args.moe_fp8_flow_gradient_accumulation_fusion:
+        parser.error("--moe-fp8-flow-gradient-accumulation-fusion adds the experts' weight gradients into Megatron "
+                     "DDP's main_grad: the compact loop has no DDP (autograd's .grad, averaged by its own all-reduce; "
+                     "Megatron's pretrain runs it: megatron-core 0.19)")
     evaluated = [f"--{s}-data-path" for s in ("valid", "test") if getattr(args, f"{s}_data_path") is not None]
     if evaluated:
         parser.error(f"{', '.join(evaluated)}: the compact loop trains without evaluating, so it would read only "

@@ -12,6 +12,7 @@ import warnings
 
 from .settings import (
     MOE_EXPERT,
+    NO_MAIN_GRAD,
     FP8FlowView,
     cuda_graph_conflicts,
     fp8_flow_problems,
@@ -65,6 +66,15 @@ _CUDA_GRAPH_HELP = (
 )
 
 
+_FUSION_HELP = (
+    "Add the FP8-Flow experts' weight gradients straight into Megatron DDP's main_grad (cuBLASLt beta=1, "
+    "DeepGEMM C=D, Triton; no Apex) even with --no-gradient-accumulation-fusion, which Megatron's own linears "
+    "need without Apex: no BF16 weight gradient per expert and micro-batch for DDP's hook to add. With "
+    "--gradient-accumulation-fusion on the experts fuse anyway. Needs --moe-fp8-flow and Megatron's DDP: refuses "
+    "--use-megatron-fsdp and --use-torch-fsdp2 (no main_grad at forward)."
+)
+
+
 def flag(field: str) -> str:
     """The Megatron-LM flag that sets config ``field``."""
     return _FLAGS.get(field, "--" + field.replace("_", "-"))
@@ -83,6 +93,7 @@ def add_fp8_flow_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                                        help=_FORMAT_HELP)),
         ("--moe-fp8-flow-single-grouped-weight", dict(action="store_true", help=_SINGLE_HELP)),
         ("--moe-fp8-flow-cuda-graph", dict(action="store_true", help=_CUDA_GRAPH_HELP)),
+        ("--moe-fp8-flow-gradient-accumulation-fusion", dict(action="store_true", help=_FUSION_HELP)),
     ):
         existing = parser._option_string_actions.get(option)
         if existing is None:
@@ -114,6 +125,9 @@ def _view(args: argparse.Namespace) -> FP8FlowView:
         unsupported=unsupported_settings(args),
         moe_fp8_flow_cuda_graph=bool(getattr(args, "moe_fp8_flow_cuda_graph", False)),
         graph_conflicts=cuda_graph_conflicts(args),
+        moe_fp8_flow_gradient_accumulation_fusion=bool(getattr(args, "moe_fp8_flow_gradient_accumulation_fusion",
+                                                                False)),
+        no_main_grad=unsupported_settings(args, NO_MAIN_GRAD),
     )
 
 

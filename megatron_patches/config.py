@@ -73,6 +73,7 @@ def _view(config) -> FP8FlowView:
         unsupported=unsupported_settings(config),
         moe_fp8_flow_cuda_graph=config.moe_fp8_flow_cuda_graph,
         graph_conflicts=cuda_graph_conflicts(config),
+        moe_fp8_flow_gradient_accumulation_fusion=config.moe_fp8_flow_gradient_accumulation_fusion,
     )
 
 

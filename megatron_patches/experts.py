@@ -136,7 +136,8 @@ def _fp8_flow_block(module, config, pg_collection, ep_size: int, device=None,
         output_init_method=_undrawn if undrawn else config.output_layer_init_method,
         params_dtype=config.params_dtype if config.params_dtype != torch.float16 else torch.bfloat16,
         device=device,
-        fuse_wgrad_accumulation=config.gradient_accumulation_fusion,  # as TE's grouped experts
+        # as TE's grouped experts; or for the experts alone (Megatron's own linears need Apex for the fusion)
+        fuse_wgrad_accumulation=config.gradient_accumulation_fusion or config.moe_fp8_flow_gradient_accumulation_fusion,
         single_grouped_weight=config.moe_fp8_flow_single_grouped_weight,
         device_splits=config.moe_fp8_flow_cuda_graph,  # the path a CUDA graph replays (EP=1)
     )

@@ -73,6 +73,17 @@ CUDA_GRAPH_CONFLICTS = {
         "replay does not call"),
 }
 
+# Megatron-LM settings under which the expert weights have no main_grad from forward on (where GroupedLinear checks
+# the buffer its fused wgrad writes into): field -> why. moe_fp8_flow_gradient_accumulation_fusion refuses them by
+# name on the command line; TransformerConfig has no such fields (a model wrapped so by hand meets GroupedLinear's
+# own check, which names the weight without a main_grad).
+NO_MAIN_GRAD = {
+    "use_megatron_fsdp": (
+        "Megatron-FSDP gives a weight its main_grad only in backward (get_main_grad, which TE's linears call "
+        "before their wgrad GEMM); the FP8-Flow experts need it from forward on"),
+    "use_torch_fsdp2": "torch FSDP2 keeps gradients in .grad (sharded DTensors): the weights have no main_grad",
+}
+
 
 @dataclass
 class FP8FlowFields:
@@ -102,6 +113,13 @@ class FP8FlowFields:
     quantized into static buffers on a step's first micro-batch. Captured at the first training micro-batch for
     its token count. Needs moe_fp8_flow at expert_model_parallel_size 1 (the local dispatcher keeps its counts
     on the GPU: worst-case padded buffers); ``CUDA_GRAPH_CONFLICTS`` and 'moe' recompute are refused."""
+
+    moe_fp8_flow_gradient_accumulation_fusion: bool = False
+    """Add the FP8-Flow experts' weight gradients straight into Megatron DDP's ``main_grad`` (the GroupedLinears'
+    ``fuse_wgrad_accumulation``: cuBLASLt beta=1, DeepGEMM C=D, Triton read-add-write; no Apex) even when
+    ``gradient_accumulation_fusion`` is off, as it must be for Megatron's own linears without Apex (with it on,
+    the experts fuse anyway). Needs moe_fp8_flow and Megatron's DDP (its ``main_grad`` buffers): the settings of
+    ``NO_MAIN_GRAD`` are refused."""
 
 
 def fp8_flow_fields(source) -> dict:
@@ -135,6 +153,9 @@ class FP8FlowView:
     moe_fp8_flow_cuda_graph: bool = False
     graph_conflicts: Mapping[str, object] = field(default_factory=dict)
     """The settings of ``CUDA_GRAPH_CONFLICTS`` whose value is refused: field -> value."""
+    moe_fp8_flow_gradient_accumulation_fusion: bool = False
+    no_main_grad: Mapping[str, object] = field(default_factory=dict)
+    """The settings of ``NO_MAIN_GRAD`` that are set: field -> value."""
 
 
 def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
@@ -168,6 +189,8 @@ def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
                         f"requires {name('moe_fp8_flow')}")
     if view.moe_fp8_flow_cuda_graph:
         problems += _cuda_graph_problems(view, name)
+    if view.moe_fp8_flow_gradient_accumulation_fusion:
+        problems += _fusion_problems(view, name)
     if not view.moe_fp8_flow:
         return problems
     for setting in ("hidden_size", "moe_ffn_hidden_size"):
@@ -235,6 +258,17 @@ def _cuda_graph_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
     return problems
 
 
+def _fusion_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
+    """What ``moe_fp8_flow_gradient_accumulation_fusion`` cannot run with, one sentence each."""
+    fusion = name("moe_fp8_flow_gradient_accumulation_fusion")
+    problems = [] if view.moe_fp8_flow else [
+        f"{fusion} adds the FP8-Flow experts' weight gradients into main_grad: it requires {name('moe_fp8_flow')}"]
+    for setting, value in view.no_main_grad.items():
+        problems.append(f"{fusion} does not support {name(setting)} (got {value!r}; expected it unset): "
+                        f"{NO_MAIN_GRAD[setting]}")
+    return problems
+
+
 def cuda_graph_conflicts(source) -> dict:
     """``{field: value}`` of the ``CUDA_GRAPH_CONFLICTS`` settings whose value ``source`` (argparse args or a
     TransformerConfig) sets to one the graphs refuse; settings the source lacks count as unset."""
@@ -242,10 +276,10 @@ def cuda_graph_conflicts(source) -> dict:
     return {f: v for f, v in values.items() if v is not None and CUDA_GRAPH_CONFLICTS[f][0](v)}
 
 
-def unsupported_settings(source) -> dict:
-    """``{field: value}`` of the ``UNSUPPORTED_WITH_FP8_FLOW`` settings ``source`` (argparse args or a
-    TransformerConfig) sets; settings the installed Megatron lacks count as unset."""
-    return {f: getattr(source, f) for f in UNSUPPORTED_WITH_FP8_FLOW if getattr(source, f, None)}
+def unsupported_settings(source, table: Mapping[str, str] = UNSUPPORTED_WITH_FP8_FLOW) -> dict:
+    """``{field: value}`` of the settings of ``table`` (``UNSUPPORTED_WITH_FP8_FLOW``, or ``NO_MAIN_GRAD``) that
+    ``source`` (argparse args or a TransformerConfig) sets; settings the installed Megatron lacks count as unset."""
+    return {f: getattr(source, f) for f in table if getattr(source, f, None)}
 
 
 def raise_on_problems(problems: list, where: str) -> None:

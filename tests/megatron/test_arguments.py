@@ -123,13 +123,49 @@ def test_size_rules_skip_what_a_parser_leaves_unset():
 
 @pytest.mark.parametrize("field, value", [("moe_fp8_flow_format", "hybrid"),
                                           ("moe_fp8_flow_single_grouped_weight", True),
-                                          ("moe_fp8_flow_cuda_graph", True)])
+                                          ("moe_fp8_flow_cuda_graph", True),
+                                          ("moe_fp8_flow_gradient_accumulation_fusion", True)])
 def test_fp8_flow_flags_need_moe_fp8_flow(field, value):
     """Every --moe-fp8-flow-* flag without --moe-fp8-flow would do nothing (Megatron's BF16 experts train): refused
     by name."""
     args = argparse.Namespace(moe_fp8_flow=False, recompute_modules=None, **{field: value})
     with pytest.raises(ValueError, match=f"--{field.replace('_', '-')} .*requires --moe-fp8-flow"):
         validate_fp8_flow_args(args)
+
+
+FUSION = "--moe-fp8-flow-gradient-accumulation-fusion"
+
+
+def test_expert_gradient_accumulation_fusion_flag_parses_and_needs_ddp_main_grad(capsys):
+    """The flag parses (Megatron's --no-gradient-accumulation-fusion left as it is: accepted with it on or off);
+    Megatron-FSDP and torch FSDP2 give the weights no main_grad at forward: refused by flag, with the reason;
+    without FP8-Flow, refused by config field too; the compact CPU loop has no DDP: refused by name."""
+    parser = add_fp8_flow_args(argparse.ArgumentParser())
+    assert parser.parse_args([FUSION]).moe_fp8_flow_gradient_accumulation_fusion
+    assert not parser.parse_args([]).moe_fp8_flow_gradient_accumulation_fusion
+    assert "--no-gradient-accumulation-fusion" in parser._option_string_actions[FUSION].help
+    valid = dict(moe_fp8_flow=True, fp8="e4m3", fp8_recipe="blockwise", num_experts=4, moe_grouped_gemm=True,
+                 moe_token_dispatcher_type="alltoall", swiglu=True, add_bias_linear=False, recompute_granularity=None,
+                 recompute_modules=None, moe_fp8_flow_gradient_accumulation_fusion=True, use_megatron_fsdp=False,
+                 use_torch_fsdp2=False)
+    for fusion in (False, True):
+        validate_fp8_flow_args(argparse.Namespace(**valid, gradient_accumulation_fusion=fusion))
+    for setting, why in (("use_megatron_fsdp", "main_grad only in backward"), ("use_torch_fsdp2", "no main_grad")):
+        with pytest.raises(ValueError) as error:
+            validate_fp8_flow_args(argparse.Namespace(**{**valid, setting: True}))
+        assert f"{FUSION} does not support --{setting.replace('_', '-')} (got True; expected it unset): " in \
+            str(error.value) and why in str(error.value)
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    megatron_patches.apply()
+    with pytest.raises(ValueError, match="moe_fp8_flow_gradient_accumulation_fusion adds the FP8-Flow experts' "
+                                         "weight gradients into main_grad: it requires moe_fp8_flow"):
+        TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4,
+                          moe_fp8_flow_gradient_accumulation_fusion=True)
+    with pytest.raises(SystemExit):
+        parse_args(MODEL + FULL + [FUSION])
+    assert f"{FUSION} adds the experts' weight gradients into Megatron DDP's main_grad: the compact loop has no " \
+           "DDP" in capsys.readouterr().err
 
 
 def test_fp8_flow_format_without_fp8_flow_is_refused_on_the_command_line(capsys):

@@ -207,14 +207,17 @@ def test_gpu_tiny_gpt_trains_with_cuda_graphs_as_eager(world_of_one, fuse):
     reduction: it raises unless every parameter's hook fired on the last micro-batch), three optimizer steps of
     three micro-batches: with the graphs and with the same blocks eager (``cuda_graph = None``), the losses and
     the experts' main_grads agree (Megatron's own GPU kernels leave run-to-run rounding: the tolerances),
-    while the steps move every weight by 5%, which a graph reading stale weights would show."""
+    while the steps move every weight by 5%, which a graph reading stale weights would show. ``wgrad_fusion``:
+    ``moe_fp8_flow_gradient_accumulation_fusion`` (Megatron's own ``gradient_accumulation_fusion`` off), the
+    graphs' wgrad GEMMs add into main_grad themselves."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
     runs = []
     for graphs in (True, False):
-        config = _config(hidden_size=512, use_cpu_initialization=False, bf16=True)
+        config = _config(hidden_size=512, use_cpu_initialization=False, bf16=True,
+                         moe_fp8_flow_gradient_accumulation_fusion=fuse)
         torch.manual_seed(3)
         model_parallel_cuda_manual_seed(3)
         model = _gpt(config).cuda()  # drawn on the GPU; moved there as Megatron's get_model moves it
@@ -224,8 +227,7 @@ def test_gpu_tiny_gpt_trains_with_cuda_graphs_as_eager(world_of_one, fuse):
                     p.copy_(runs[0][2][name])
         state = {name: p.detach().clone() for name, p in model.named_parameters()}
         for layer in model.decoder.layers:
-            for linear in (layer.mlp.experts.linear_fc1, layer.mlp.experts.linear_fc2):
-                linear.fuse_wgrad_accumulation = fuse
+            assert layer.mlp.experts.linear_fc1.fuse_wgrad_accumulation is fuse
             if not graphs:
                 layer.mlp.cuda_graph = None
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,

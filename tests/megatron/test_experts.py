@@ -127,14 +127,25 @@ def test_compact_loop_passes_every_fp8_flow_flag_to_the_config(world_of_one):
     assert block.linear_fc1.single_grouped_weight and block.recipe.fp8_format.name == "E4M3"
 
 
-@pytest.mark.parametrize("fusion", [False, True])
-def test_block_follows_gradient_accumulation_fusion(world_of_one, fusion):
-    """``gradient_accumulation_fusion`` reaches both GroupedLinears (TE's grouped experts take it as
-    ``fuse_wgrad_accumulation``): with it, wgrad goes into the ``main_grad`` Megatron's DDP attaches."""
+@pytest.mark.parametrize("megatron, experts", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["unfused", "megatron", "experts_only", "both"])
+def test_block_follows_gradient_accumulation_fusion(world_of_one, megatron, experts):
+    """Megatron's ``gradient_accumulation_fusion`` (for all its linears; TE's grouped experts take it as
+    ``fuse_wgrad_accumulation``) or ``--moe-fp8-flow-gradient-accumulation-fusion`` (the experts alone, Megatron's
+    flag off: parsed, then copied into the config as Megatron-LM copies its flags) reaches both GroupedLinears:
+    with either, wgrad goes into the ``main_grad`` Megatron's DDP attaches."""
+    import argparse
+
+    from megatron_patches.arguments import add_fp8_flow_args
     from megatron_patches.experts import _fp8_flow_block
+    from megatron_patches.settings import fp8_flow_fields
     from transformer_engine_moe import module
 
-    block = _fp8_flow_block(module, _config(gradient_accumulation_fusion=fusion), None, ep_size=1, device=DEVICE)
+    fusion = megatron or experts
+    args = add_fp8_flow_args(argparse.ArgumentParser()).parse_args(
+        ["--moe-fp8-flow", "--moe-fp8-flow-format", "e4m3"] + ["--moe-fp8-flow-gradient-accumulation-fusion"] * experts)
+    config = _config(**fp8_flow_fields(args), gradient_accumulation_fusion=megatron)
+    block = _fp8_flow_block(module, config, None, ep_size=1, device=DEVICE)
     assert block.linear_fc1.fuse_wgrad_accumulation is fusion and block.linear_fc2.fuse_wgrad_accumulation is fusion
     weights = block.linear_fc1.weights + block.linear_fc2.weights
     for w in weights:
@@ -204,8 +215,9 @@ def test_ddp_finish_grad_sync_drops_the_fp8_weight_cache(world_of_one):
 
 @pytest.mark.parametrize("single", [False, True], ids=["per_expert", "single_weight"])
 def test_ddp_main_grad_fusion_writes_expert_wgrads_in_place(world_of_one, monkeypatch, single):
-    """With gradient-accumulation fusion (Megatron's default with TE; here set on the expert GEMMs alone: the
-    CPU has no Apex for Megatron's own linears) the expert wgrads go straight into Megatron DDP's grad buffer:
+    """With gradient-accumulation fusion (Megatron's default with TE; here on the expert GEMMs alone,
+    ``moe_fp8_flow_gradient_accumulation_fusion``: the CPU has no Apex for Megatron's own linears, so
+    ``gradient_accumulation_fusion`` stays off) the expert wgrads go straight into Megatron DDP's grad buffer:
     per-expert weights, which DDP lays out in reverse order, through a list of their main_grads, a single
     grouped weight as one [G, N, K]. The main_grads equal, bit for bit (on the GPU: within run-to-run
     atomics), those of the same step without the fusion (autograd's .grad, added by DDP's hooks)."""
@@ -221,12 +233,14 @@ def test_ddp_main_grad_fusion_writes_expert_wgrads_in_place(world_of_one, monkey
     for fuse in (False, True):
         torch.manual_seed(0)
         config = _config(recompute_modules=None, recompute_granularity=None, hidden_dropout=0.0,
-                         attention_dropout=0.0, moe_fp8_flow_single_grouped_weight=single)  # no dropout masks
+                         attention_dropout=0.0, moe_fp8_flow_single_grouped_weight=single,  # no dropout masks
+                         moe_fp8_flow_gradient_accumulation_fusion=fuse)
+        assert not config.gradient_accumulation_fusion
         model = _model(config, build_fp8_flow_block)
         linears = [lin for layer in model.decoder.layers for lin in (layer.mlp.experts.linear_fc1,
                                                                      layer.mlp.experts.linear_fc2)]
         for lin in linears:
-            lin.fuse_wgrad_accumulation = fuse
+            assert lin.fuse_wgrad_accumulation is fuse
             if CUDA:  # one GEMM backend for both runs (auto could take DeepGEMM for one [G, N, K] main_grad only)
                 lin.backend = "triton"
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
