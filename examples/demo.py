@@ -61,9 +61,11 @@ GPU_MODEL = ("--num-layers 4 --hidden-size 1024 --num-attention-heads 8 --seq-le
 LOCAL = ("--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion "
          "--no-masked-softmax-fusion").split()
 # FP8-Flow's own format flag, not --fp8-format: with TransformerEngine that would make attention and the dense
-# layers FP8 too, and the two runs would differ in more than the experts
+# layers FP8 too, and the two runs would differ in more than the experts. Its experts add their wgrads into
+# DDP's main_grad themselves (no Apex needed), as a user without Apex would run them.
 GPU_FP8_FLOW = ("--moe-fp8-flow --moe-fp8-flow-format e4m3 --fp8-recipe blockwise --moe-grouped-gemm "
-                "--recompute-granularity selective --recompute-modules moe_expert").split()
+                "--recompute-granularity selective --recompute-modules moe_expert "
+                "--moe-fp8-flow-gradient-accumulation-fusion").split()
 GPU_WARMUP_ITERS = 20  # untimed: Triton's (and DeepGEMM's) JIT compilation, the allocator's first growth
 GPU_PROGRESS_EVERY = 25  # iterations between the progress lines printed (the log keeps every one)
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "examples.pretrain_gpt")
