@@ -39,15 +39,28 @@ iterations; the other repeats run without probes. ``--repeats`` (3) runs the var
 gives the median tokens/s with its spread. Each run is one ``torchrun`` bounded by ``--run-timeout``;
 ``--time-budget`` stops starting runs when the next might not finish in it. Results go to
 ``benchmarks/results/bench_megatron_pretrain_{config}_ep{GPUs}.json`` / ``.md`` / ``.png`` after every run
-(``..._te`` where TransformerEngine ran the model's path: a table of its own):
+(``..._te`` where TransformerEngine ran the model's path: a table of its own).
+
+``--profile``: after the timed repeats, one more run per variant (no probes) with its last iteration under
+torch.profiler (``megatron_bench_entry.py --bench-profile-iteration``: every micro-batch's forward and backward
+and the optimizer step, rank 0's kernels): where the iteration's GPU time goes, per variant, by group of
+kernels (``kernel_profile.GROUPS``: attention core, dense GEMMs, expert GEMMs, FP8-Flow's own non-GEMM kernels,
+other elementwise / norm / index kernels, gradient accumulation, optimizer, communication), by category
+(``kernel_profile.site_category``) and its largest kernels, each against the stand-in's
+(``kernel_profile.iteration_rows``), to ``..._ep{GPUs}[_te]_profile.json`` / ``.md`` (the variants this call
+profiled; ``--run-timeout`` bounds these runs too):
 
     python benchmarks/bench_megatron_pretrain.py --config qwen3_moe_like --repeats 3 --time-budget 530
+    python benchmarks/bench_megatron_pretrain.py --config dsv3_ep8_rank --variants bf16_grouped_mm \
+        fp8_flow_single_weight --repeats 1 --profile
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
+import functools
 import importlib.metadata
 import importlib.util
 import json
@@ -58,11 +71,13 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional
 
 import torch
 
+import kernel_profile
 import utils
 from megatron_configs import CONFIGS, SEQ, layers_that_fit
 
@@ -120,10 +135,12 @@ def apex_wgrad_fusion() -> bool:
 
 def command(config: str, variant: str, gpus: int, iters: int, layers: int, micro_batch_size: int,
             micro_batches: int = 32, seed: int = 1234, probe: bool = False, te: bool = False,
-            data: str = MOCK_DATA, schedule: str = SCHEDULE, log_interval: int = 1, search_cap: int = 64) -> list[str]:
+            data: str = MOCK_DATA, schedule: str = SCHEDULE, log_interval: int = 1, search_cap: int = 64,
+            profile_out: Optional[str] = None) -> list[str]:
     """The ``torchrun`` command of one run on ``gpus`` GPUs (EP = ``gpus``) through ``megatron_bench_entry.py``:
     ``te`` runs TransformerEngine's path, else the local one with the SDPA core; ``probe`` adds the memory
-    probes (and, for a ``search`` variant, the micro-batch search up to ``search_cap``)."""
+    probes (and, for a ``search`` variant, the micro-batch search up to ``search_cap``); ``profile_out``: the
+    last iteration profiled, its kernels written there."""
     if config not in CONFIGS or variant not in VARIANTS:
         raise ValueError(f"config must be one of {list(CONFIGS)} and variant one of {list(VARIANTS)}, "
                          f"got {config!r}, {variant!r}")
@@ -133,6 +150,8 @@ def command(config: str, variant: str, gpus: int, iters: int, layers: int, micro
     bench = (["--bench-grouped-mm"] if spec.grouped_mm else []) + ([] if te else ["--bench-sdpa-attention"])
     if probe:
         bench += ["--bench-probe-memory"] + (["--bench-max-micro-batch-cap", str(search_cap)] if spec.search else [])
+    if profile_out:
+        bench += ["--bench-profile-iteration", str(iters), "--bench-profile-out", profile_out]
     path = (TE + ("" if apex_wgrad_fusion() else " --no-gradient-accumulation-fusion")) if te else LOCAL
     return ["torchrun", "--nproc_per_node", str(gpus), "--master_port", str(utils.free_port()), ENTRY, *bench,
             *COMMON.split(), *path.split(), *data.split(), *schedule.split(), *CONFIGS[config].flags(gpus),
@@ -204,8 +223,13 @@ def outcome(status: str, out: str, tokens_per_iter: int, gpus: int, warmup: int 
     if status != "ok":
         row.update(tokens_per_s_per_gpu=None, iter_ms=None)
     if "log_tail" in row:
-        row["error"] = next((m.group(0) for m in ERROR.finditer(out) if "ChildFailedError" not in m.group(0)), "")
+        row["error"] = root_cause(out)
     return row
+
+
+def root_cause(out: str) -> str:
+    """The first exception line of a run's ``out``put that is not torchrun's report of the workers it stopped."""
+    return next((m.group(0) for m in ERROR.finditer(out) if "ChildFailedError" not in m.group(0)), "")
 
 
 def combine(runs: list[dict]) -> dict:
@@ -289,6 +313,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--run-timeout", type=float, default=180, help="seconds per run, torchrun included")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds for the whole call: no run starts that might end past it")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the repeats, one run per variant with its last iteration profiled")
     args = parser.parse_args(argv)
     for name in ("repeats", "micro_batches", "max_micro_batch_cap"):
         if getattr(args, name) < 1:
@@ -318,15 +344,24 @@ def main(argv=None):
     stored = utils.RESULTS_DIR / f"{name}.json"
     kept = json.loads(stored.read_text())["results"] if stored.exists() else []
     rows = {(r["config"], r["variant"]): r for r in kept}
-    runs = {variant: [] for variant in args.variants}
-    began_call, longest, path = time.perf_counter(), 0.0, None
-    for variant in [v for _ in range(args.repeats) for v in args.variants]:
+    runs, profiles = {variant: [] for variant in args.variants}, {}
+    began_call, longest, path, profile_path = time.perf_counter(), 0.0, None, None
+    plan = [(v, False) for _ in range(args.repeats) for v in args.variants]
+    for variant, profiling in plan + [(v, True) for v in args.variants if args.profile]:
         if args.time_budget and time.perf_counter() - began_call + longest > args.time_budget:
             print(f"time budget: {args.time_budget:.0f} s would be passed by the next run; stopping", flush=True)
             break
-        cmd = command(args.config, variant, gpus, args.train_iters, layers, mbs, args.micro_batches,
-                      probe=not runs[variant], te=te is not None, search_cap=args.max_micro_batch_cap)
+        cmd = functools.partial(command, args.config, variant, gpus, args.train_iters, layers, mbs,
+                                args.micro_batches, te=te is not None)
         began = time.perf_counter()
+        if profiling:
+            profiles[variant] = profile_run(cmd, args.run_timeout)
+            print(variant, "profile", {k: profiles[variant].get(k) for k in ("wall_ms", "error")}, flush=True)
+            timed = {v: r.get("iter_ms") for (c, v), r in rows.items() if c == args.config}
+            profile_path = write_profile(f"{name}_profile", profiles, timed, env)
+            longest = max(longest, time.perf_counter() - began)
+            continue
+        cmd = cmd(probe=not runs[variant], search_cap=args.max_micro_batch_cap)
         status, out = run(cmd, args.run_timeout)
         wall = time.perf_counter() - began
         longest = max(longest, wall)
@@ -342,6 +377,8 @@ def main(argv=None):
         rows[args.config, variant] = combine(runs[variant])
         path = write(name, list(rows.values()), env)  # after every run: a call cut short keeps the runs done
     print(path.read_text() if path else "no run started")
+    if profile_path:
+        print(profile_path.read_text())
 
 
 def write(name: str, rows: list[dict], env: dict) -> pathlib.Path:
@@ -408,6 +445,42 @@ def plot(rows: list[dict], path) -> None:
             ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+def profile_run(cmd, timeout: float) -> dict:
+    """One run of ``cmd(profile_out=PATH)`` (``command`` with its last iteration profiled): the entry's profile
+    of that iteration (``iteration``, ``wall_ms``, ``kernels``: ``[{kernel, launched_by, ms, launches}]``), else
+    ``{"error": why none was written}``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "profile.json"
+        status, out = run(cmd(profile_out=str(path)), timeout)
+        if path.exists():
+            return json.loads(path.read_text())
+    return dict(error=bench_lines(out).get("profile_error") or root_cause(out) or f"{status}: no profile written")
+
+
+def write_profile(name: str, profiles: dict[str, dict], timed_ms: dict, env: dict) -> pathlib.Path:
+    """The variants' ``profiles`` (``profile_run``) against the stand-in's, with the timed runs' ``timed_ms``
+    (``kernel_profile.iteration_rows``) -> ``name`` .json / .md under benchmarks/results, one table per ``part``;
+    the .md path."""
+    rows = kernel_profile.iteration_rows(profiles, "bf16_grouped_mm", timed_ms)
+    notes = (
+        "One run per variant after the timed repeats, its last iteration (every micro-batch's forward and backward, "
+        "then the optimizer step) under torch.profiler on rank 0: `ms` is that iteration's CUDA kernel time, summed "
+        "over kernels (kernels on concurrent streams both count), `share` its fraction of the iteration's wall time "
+        "as profiled (two synchronisations around Megatron's train_step; the profiler's host overhead included: "
+        f"compare `{kernel_profile.TIMED}`), `vs_bf16_grouped_mm_ms` the difference to the stand-in's. Categories: "
+        "kernel_profile.site_category, by kernel name and the op that launched it: expert GEMMs are those of "
+        "grouped ops (torch._grouped_mm and its backward, FP8-Flow's grouped linear), every other GEMM dense "
+        "(attention projections, shared expert, router, output layer); `optimizer`: every kernel inside the "
+        "optimizer's step (gradient norm, clipping, Adam, copies to the BF16 parameters); `gradient accumulation`: "
+        "DDP's hooks adding .grad into main_grad. The stand-in permutes with Megatron's torch ops (in "
+        f"`{kernel_profile.OTHER}`), FP8-Flow with its own kernels (in `FP8-Flow non-GEMM`). launched_by: the op "
+        "the profiler tied the kernel to, < the nearest enclosing op outside aten; launches: per iteration.")
+    return utils.write_results(name, f"Megatron pretrain at EP={env['gpus']}: one iteration's GPU time by kernel",
+                               env, {}, rows, ["variant", "group", "category", "kernel", "launched_by", "ms", "share",
+                                               "vs_bf16_grouped_mm_ms", "launches", "error"],
+                               notes=notes, formats={"share": ".1%"}, group_by="part")
 
 
 def _importable(module: str) -> bool:

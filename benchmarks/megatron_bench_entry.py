@@ -9,13 +9,18 @@
 - ``--bench-probe-memory``: the activation probes of ``megatron_memory_probes`` during training;
 - ``--bench-max-micro-batch-cap N``: after training, the largest micro-batch size (sequences, at most ``N``)
   whose forward and backward fit the GPU beside the run's parameters, gradients and optimizer state (one GPU
-  only: at EP > 1 a rank that runs out of memory would leave the others waiting in their all-to-all).
+  only: at EP > 1 a rank that runs out of memory would leave the others waiting in their all-to-all);
+- ``--bench-profile-iteration N --bench-profile-out PATH``: iteration ``N`` (counted from 1, as Megatron logs
+  them) under torch.profiler on rank 0: its forward and backward of every micro-batch and its optimizer step
+  (Megatron's ``train_step``), the step inside a ``kernel_profile.OPTIMIZER_SCOPE`` range. Rank 0 writes that
+  iteration's CUDA kernel time to ``PATH`` as JSON (``profile_json``).
 
 Megatron's start-up JIT warm-up (``set_jit_fusion_options``: ``torch.compile`` of bias-SwiGLU and
 bias-dropout-add fusions) is skipped: where those fusions are on they compile at first use, in the first,
 untimed iteration. Rank 0 prints what ran and what was measured as ``bench: {json}`` lines, which
 ``bench_megatron_pretrain.parse_log`` reads: the optimizer and gradient-accumulation path, the attention core,
-TransformerEngine's version, and the probes' values.
+TransformerEngine's version, the probes' values, and where the profile went (``profile_iteration``,
+``profile_out``, ``profile_wall_ms``; ``profile_error`` if it could not be written).
 
     # PYTHONPATH=<repo root>
     torchrun --nproc_per_node N benchmarks/megatron_bench_entry.py [--bench-...] <Megatron args>
@@ -24,12 +29,16 @@ TransformerEngine's version, and the probes' values.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import itertools
 import json
 import sys
+import time
 
 import torch
 
+import kernel_profile
 from megatron_memory_probes import ActivationProbe, fits, largest_that_trains
 
 
@@ -40,10 +49,16 @@ def parse_bench_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--bench-sdpa-attention", action="store_true")
     parser.add_argument("--bench-probe-memory", action="store_true")
     parser.add_argument("--bench-max-micro-batch-cap", type=int, default=0)
+    parser.add_argument("--bench-profile-iteration", type=int, default=0)
+    parser.add_argument("--bench-profile-out", default="")
     bench, rest = parser.parse_known_args(argv)
-    if bench.bench_max_micro_batch_cap < 0:
-        raise ValueError(f"--bench-max-micro-batch-cap must be >= 0 (0: no search), "
-                         f"got {bench.bench_max_micro_batch_cap}")
+    for flag, value in (("max-micro-batch-cap", bench.bench_max_micro_batch_cap),
+                        ("profile-iteration", bench.bench_profile_iteration)):
+        if value < 0:
+            raise ValueError(f"--bench-{flag} must be >= 0 (0: none), got {value}")
+    if bool(bench.bench_profile_iteration) != bool(bench.bench_profile_out):
+        raise ValueError("--bench-profile-iteration N and --bench-profile-out PATH go together, got "
+                         f"{bench.bench_profile_iteration} and {bench.bench_profile_out!r}")
     if bench.bench_grouped_mm and "--moe-fp8-flow" in rest:
         raise ValueError("--bench-grouped-mm (the BF16 stand-in's experts) and --moe-fp8-flow exclude each other")
     return bench, rest
@@ -179,6 +194,61 @@ def probed_train(train, bench: argparse.Namespace):
     return wrapped
 
 
+@contextlib.contextmanager
+def optimizer_scope(optimizer):
+    """Inside the block, ``optimizer.step`` runs in a ``kernel_profile.OPTIMIZER_SCOPE`` profiler range (Megatron's
+    whole step: gradient norm and clipping, the inner optimizer, the copies to the model's parameters)."""
+    step, own = optimizer.step, "step" in vars(optimizer)
+
+    def scoped(*args, **kwargs):
+        with torch.profiler.record_function(kernel_profile.OPTIMIZER_SCOPE):
+            return step(*args, **kwargs)
+
+    optimizer.step = scoped
+    try:
+        yield
+    finally:
+        if own:
+            optimizer.step = step
+        else:
+            del optimizer.step
+
+
+def profile_json(events, wall_ms: float, iteration: int, out: str) -> dict:
+    """Write one iteration's profiler ``events`` to ``out``: ``{"iteration", "wall_ms", "kernels": [{"kernel",
+    "launched_by", "ms", "launches"}, ...]}`` (``kernel_profile.kernel_sites``, per iteration, largest first);
+    the ``bench:`` facts saying so."""
+    _, sites = kernel_profile.kernel_sites(events, steps=1)
+    kernels = [dict(kernel=kernel, launched_by=site, ms=ms, launches=n)
+               for (kernel, site), (ms, n) in sorted(sites.items(), key=lambda kv: -kv[1][0])]
+    with open(out, "w") as f:
+        json.dump(dict(iteration=iteration, wall_ms=wall_ms, kernels=kernels), f, indent=1)
+    return dict(profile_iteration=iteration, profile_out=out, profile_wall_ms=wall_ms, profile_kernels=len(kernels))
+
+
+def profiled_train_step(train_step, iteration: int, out: str):
+    """Megatron's ``train_step`` with its ``iteration``-th call (from 1) under torch.profiler (CPU and CUDA
+    activities) on rank 0, between two device synchronisations; ``profile_json`` then writes it to ``out``."""
+    calls = itertools.count(1)
+
+    @functools.wraps(train_step)
+    def wrapped(forward_step_func, data_iterator, model, optimizer, *args, **kwargs):
+        step = functools.partial(train_step, forward_step_func, data_iterator, model, optimizer, *args, **kwargs)
+        if next(calls) != iteration or (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0):
+            return step()
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        torch.cuda.synchronize()
+        with optimizer_scope(optimizer), torch.profiler.profile(activities=activities) as prof:
+            began = time.perf_counter()
+            result = step()
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - began) * 1e3
+        report_safely("profile", lambda: profile_json(prof.events(), wall_ms, iteration, out))
+        return result
+
+    return wrapped
+
+
 def main(argv: list[str]) -> None:
     bench, sys.argv[1:] = parse_bench_args(argv)
     import megatron_patches
@@ -190,6 +260,9 @@ def main(argv: list[str]) -> None:
 
     training.set_jit_fusion_options = lambda *args, **kwargs: None  # see the module docstring
     training.train = probed_train(training.train, bench)
+    if bench.bench_profile_iteration:
+        training.train_step = profiled_train_step(training.train_step, bench.bench_profile_iteration,
+                                                  bench.bench_profile_out)
     megatron_pretrain(layer_spec=layer_spec(bench))
 
 

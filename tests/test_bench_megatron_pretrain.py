@@ -1,8 +1,8 @@
 """benchmarks/bench_megatron_pretrain.py on the CPU: the two production-proportioned configurations (their flags,
 parameter counts and the layers that fit), the runs' command lines (EP = GPU count, the stand-in and FP8-Flow
 variants, TE's path or the local one with the SDPA core, probes in the first run only), Megatron's log and the
-entry's ``bench:`` lines parsed into a row, repeats combined with the probe run's fields, the results files, and a
-run past its time limit killed with its children."""
+entry's ``bench:`` lines parsed into a row, repeats combined with the probe run's fields, the results files, the
+``--profile`` runs and their table (from fake profiles), and a run past its time limit killed with its children."""
 
 import json
 import sys
@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_megatron_pretrain as bench  # noqa: E402
 import megatron_configs as configs  # noqa: E402
+from test_kernel_profile import PROFILES, row_of  # noqa: E402
 
 H100, H200 = 81559 * 2**20, 143771 * 2**20  # nvidia-smi's memory.total, MiB
 
@@ -117,6 +118,10 @@ def test_global_batch_accumulates_micro_batches_and_probes_go_to_one_run():
     assert "--bench-probe-memory" in probed and _flag(probed, "--bench-max-micro-batch-cap") == "16"
     per_expert = _cmd(variant="fp8_flow", probe=True)  # activation probe, no search
     assert "--bench-probe-memory" in per_expert and "--bench-max-micro-batch-cap" not in per_expert
+    assert not any(a.startswith("--bench-profile") for a in cmd + probed)
+    profiled = _cmd(profile_out="/tmp/p.json")  # the last of the run's 3 iterations
+    assert (_flag(profiled, "--bench-profile-iteration"), _flag(profiled, "--bench-profile-out")) == (
+        "3", "/tmp/p.json")
 
 
 @pytest.mark.parametrize("config", configs.CONFIGS)
@@ -360,3 +365,40 @@ def test_an_interrupted_benchmark_kills_the_running_group(tmp_path, monkeypatch)
         bench.run(["bash", "-c", f"(sleep 2; touch {marker}) & sleep 30"], timeout=60)
     time.sleep(3)
     assert not marker.exists()
+
+
+
+def test_profile_runs_follow_the_repeats_and_write_their_own_table(tmp_path, monkeypatch):
+    speeds = {"bf16_grouped_mm": [100.0], "fp8_flow_single_weight": [120.0]}
+    order, fake_run = _fake_machine(monkeypatch, tmp_path, speeds), bench.run
+    profiled = []
+
+    def run(cmd, timeout):
+        if "--bench-profile-out" not in cmd:
+            return fake_run(cmd, timeout)
+        variant = next(v for v in speeds if ("--bench-grouped-mm" in cmd) == bench.VARIANTS[v].grouped_mm)
+        profiled.append((variant, cmd[cmd.index("--bench-profile-iteration") + 1], "--bench-probe-memory" in cmd))
+        if variant == "fp8_flow_single_weight":
+            return "exit 1", "[rank0]: torch.OutOfMemoryError: CUDA out of memory\n"
+        Path(cmd[cmd.index("--bench-profile-out") + 1]).write_text(json.dumps(PROFILES[variant]))
+        return "ok", ""
+
+    monkeypatch.setattr(bench, "run", run)
+    bench.main(["--variants", "bf16_grouped_mm", "fp8_flow_single_weight", "--repeats", "1", "--profile"])
+    assert order == [("bf16_grouped_mm", True), ("fp8_flow_single_weight", True)]  # the timed runs first
+    assert profiled == [("bf16_grouped_mm", "4", False), ("fp8_flow_single_weight", "4", False)]
+    stem = tmp_path / "bench_megatron_pretrain_qwen3_moe_like_ep1_profile"
+    rows = json.loads(stem.with_suffix(".json").read_text())["results"]
+    assert row_of(rows, "by group", "fp8_flow_single_weight", group="no profile")["error"] == (
+        "[rank0]: torch.OutOfMemoryError: CUDA out of memory")
+    assert row_of(rows, "by group", "bf16_grouped_mm", group=bench.kernel_profile.TIMED)["ms"] == 10.0  # iter_ms
+    md = stem.with_suffix(".md").read_text()
+    assert "## part: by group" in md and "## part: top kernels: bf16_grouped_mm" in md
+    assert "| bf16_grouped_mm | expert GEMMs | 400 | 40.0% |" in md
+
+
+def test_without_profile_no_profile_runs(tmp_path, monkeypatch):
+    order = _fake_machine(monkeypatch, tmp_path, {"bf16_grouped_mm": [100.0]})
+    bench.main(["--variants", "bf16_grouped_mm", "--repeats", "1"])
+    assert order == [("bf16_grouped_mm", True)]
+    assert not list(tmp_path.glob("*_profile*"))

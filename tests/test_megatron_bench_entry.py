@@ -1,7 +1,10 @@
 """benchmarks/megatron_bench_entry.py on the CPU: its flags come off the command line before Megatron parses it,
-the layer spec it builds (SDPA core attention, then the stand-in's experts or FP8-Flow's layers), and how it names
-the optimizer that ran. (Its hooks into Megatron's ``train`` need megatron.training: the GPU runs.)"""
+the layer spec it builds (SDPA core attention, then the stand-in's experts or FP8-Flow's layers), how it names
+the optimizer that ran, and the profiled iteration (a fake ``train_step`` under torch.profiler: one call profiled,
+its optimizer step in the optimizer's range, the profile written or its error reported). (Its hooks into
+Megatron's ``train`` need megatron.training, and the kernels a GPU: the GPU runs.)"""
 
+import json
 import sys
 from pathlib import Path
 
@@ -23,6 +26,18 @@ def test_bench_flags_come_off_the_command_line():
         entry.parse_bench_args(["--bench-grouped-mm", "--moe-fp8-flow"])
     with pytest.raises(ValueError, match="must be >= 0"):
         entry.parse_bench_args(["--bench-max-micro-batch-cap", "-1"])
+
+
+def test_profile_flags():
+    bench, rest = entry.parse_bench_args(["--bench-profile-iteration", "4", "--bf16", "--bench-profile-out", "p.json"])
+    assert (bench.bench_profile_iteration, bench.bench_profile_out, rest) == (4, "p.json", ["--bf16"])
+    assert entry.parse_bench_args([])[0].bench_profile_iteration == 0  # no profile by default
+    with pytest.raises(ValueError, match="go together"):
+        entry.parse_bench_args(["--bench-profile-iteration", "4"])
+    with pytest.raises(ValueError, match="go together"):
+        entry.parse_bench_args(["--bench-profile-out", "p.json"])
+    with pytest.raises(ValueError, match="--bench-profile-iteration must be >= 0"):
+        entry.parse_bench_args(["--bench-profile-iteration", "-1", "--bench-profile-out", "p.json"])
 
 
 @pytest.mark.parametrize("grouped, fp8_flow", [(True, False), (False, True), (False, False)],
@@ -89,3 +104,51 @@ def test_a_failing_measurement_is_reported_not_raised(capsys):
     entry.report_safely("max_micro_batch", lambda: 1 / 0)
     assert bench_megatron_pretrain.bench_lines(capsys.readouterr().out) == {
         "max_micro_batch": 12, "max_micro_batch_error": "ZeroDivisionError: division by zero"}
+
+
+def _fake_train_step(calls):
+    """Megatron's ``train_step`` contract on a toy model: a forward and backward, then ``optimizer.step()``."""
+    def train_step(forward_step_func, data_iterator, model, optimizer, *args, iteration=None):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        calls.append(iteration)
+        return iteration
+
+    return train_step
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_the_profiled_iteration_runs_under_the_profiler_with_its_optimizer_step_scoped(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(entry.torch.cuda, "synchronize", lambda: None)
+    seen = []
+
+    def kernel_sites(events, steps):  # the CPU has no kernels: the sites the profiler would give on a GPU
+        seen.extend((e.name, e.cpu_parent.name if e.cpu_parent else None) for e in events)
+        return {}, {("gemm", "aten::mm"): [2.0, 3.0], ("adam", "Optimizer.step#SGD.step"): [5.0, 1.0]}
+
+    monkeypatch.setattr(entry.kernel_profile, "kernel_sites", kernel_sites)
+    model = torch.nn.Linear(4, 4)
+    optimizer, calls, out = torch.optim.SGD(model.parameters(), lr=0.1), [], tmp_path / "profile.json"
+    step = entry.profiled_train_step(_fake_train_step(calls), 2, str(out))
+    assert [step(None, None, model, optimizer, iteration=i) for i in range(3)] == [0, 1, 2] and calls == [0, 1, 2]
+    assert ("Optimizer.step#SGD.step", entry.kernel_profile.OPTIMIZER_SCOPE) in seen  # the second call only
+    assert seen.count((entry.kernel_profile.OPTIMIZER_SCOPE, None)) == 1
+    assert "step" not in vars(optimizer)  # the optimizer's own step again
+    profile = json.loads(out.read_text())
+    assert profile["iteration"] == 2 and profile["wall_ms"] > 0
+    assert profile["kernels"] == [dict(kernel="adam", launched_by="Optimizer.step#SGD.step", ms=5.0, launches=1.0),
+                                  dict(kernel="gemm", launched_by="aten::mm", ms=2.0, launches=3.0)]
+    import bench_megatron_pretrain
+
+    facts = bench_megatron_pretrain.bench_lines(capsys.readouterr().out)
+    assert (facts["profile_iteration"], facts["profile_out"], facts["profile_kernels"]) == (2, str(out), 2)
+
+
+@pytest.mark.filterwarnings("ignore:CUDA is not available")
+def test_a_profile_that_cannot_be_written_is_reported_and_the_step_stands(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(entry.torch.cuda, "synchronize", lambda: None)
+    model = torch.nn.Linear(4, 4)
+    calls = []
+    step = entry.profiled_train_step(_fake_train_step(calls), 1, str(tmp_path / "missing" / "profile.json"))
+    assert step(None, None, model, torch.optim.SGD(model.parameters(), lr=0.1), iteration=7) == 7
+    assert capsys.readouterr().out.startswith('bench: {"profile_error": "FileNotFoundError')
