@@ -17,7 +17,9 @@ Runs (``VARIANTS``; ``MAIN_VARIANTS`` by default):
 - ``bf16_grouped_mm``: the stand-in for TE's ``TEGroupedMLP``: Megatron's MoELayer, router and all-to-all
   dispatcher with experts as two ``torch._grouped_mm`` (``megatron_grouped_mm.py``);
 - ``fp8_flow`` (per-expert weights), ``fp8_flow_single_weight`` (one ``[E, N, K]`` weight per GEMM), each also
-  with ``moe_expert`` recompute (``..._moe_expert``): FP8-Flow experts, the rest of the model BF16;
+  with ``moe_expert`` recompute (``..._moe_expert``): FP8-Flow experts, the rest of the model BF16, the experts'
+  wgrads added into ``main_grad`` by their own GEMMs (``--moe-fp8-flow-gradient-accumulation-fusion``: without
+  Apex Megatron's own linears cannot fuse, and the stand-in's ``torch._grouped_mm`` cannot either);
   ``fp8_flow_graph_single_weight``: ``fp8_flow_single_weight`` with the expert path in CUDA graphs (EP=1);
 - with TransformerEngine installed: ``te_bf16`` (Megatron's ``TEGroupedMLP``), ``te_blockwise`` (TE's blockwise
   FP8 everywhere, ``--fp8-format e4m3 --fp8-recipe blockwise``) and ``fp8_flow_single_weight_te_blockwise``
@@ -95,7 +97,9 @@ SCHEDULE = "--lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine --lr-warmup-iters 1"
 LOCAL = ("--transformer-impl local --no-persist-layer-norm --no-gradient-accumulation-fusion "
          "--no-masked-softmax-fusion --no-rope-fusion")  # what Megatron needs without TE or Apex
 TE = "--transformer-impl transformer_engine"
-FP8_FLOW = "--moe-fp8-flow --moe-fp8-flow-format e4m3 --fp8-recipe blockwise"  # experts FP8, the rest BF16
+# experts FP8, the rest BF16; the experts add their wgrads into main_grad themselves (no Apex here for Megatron's)
+FP8_FLOW = ("--moe-fp8-flow --moe-fp8-flow-format e4m3 --fp8-recipe blockwise "
+            "--moe-fp8-flow-gradient-accumulation-fusion")
 MOE_EXPERT = "--recompute-granularity selective --recompute-modules moe_expert"
 SINGLE_WEIGHT = "--moe-fp8-flow-single-grouped-weight"
 
