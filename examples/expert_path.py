@@ -55,6 +55,10 @@ def expert_path(model: torch.nn.Module) -> str:
         graphs = ("; device splits for CUDA graphs (--moe-fp8-flow-cuda-graph): only backends taking per-expert "
                   "counts on the GPU run (no cuBLAS)" if blocks[0].device_splits else "")
         return f"experts: FP8-Flow on {device}: {gemm_backends(device, fc1.backend)}{graphs}"
-    names = sorted({type(m.experts).__name__ for m in model.modules() if isinstance(m, MoELayer)})
+    classes = {type(m.experts) for m in model.modules() if isinstance(m, MoELayer)}
+    names = ", ".join(sorted(c.__name__ for c in classes)) or "none"
     device = next(model.parameters()).device
-    return f"experts: Megatron's {', '.join(names) or 'none'} on {device} (plain torch matmuls)"
+    te = any(c.__module__.startswith("megatron.core.extensions.transformer_engine") or c.__name__.startswith("TE")
+             for c in classes)
+    return f"experts: Megatron's {names} on {device} " + (
+        "(TransformerEngine's GroupedLinear)" if te else "(plain torch matmuls)")
