@@ -3,7 +3,7 @@
 # ../shared/tools/te/fetch.sh (carried as .te), slimmed so it fits one session's device time.
 #   bash tools/build_te.sh KIT [JOBS] [SECONDS] [OUTDIR]   -> TE installed under /tmp/tesite (PYTHONPATH) on success;
 #   with OUTDIR (e.g. $OUT) also /tmp/tesite as OUTDIR/tesite.tgz.part* (15 MB each, about 47 MB in all), to
-#   keep in .te/built and carry on later calls: cat .te/built/tesite.tgz.part* | tar xzf - -C /tmp
+#   repack and carry on later calls (docs/transformer_engine.md: .te/built/tesite.tar.xz, 29 MB)
 # Slim: the six grouped-activation translation units (activation/*_grouped*.cu: nvte_group_{gelu,relu,silu,...},
 # kernels for NVTEGroupedTensor inputs, which TE's PyTorch extension never calls; they serve Blackwell's fused
 # grouped MLP) are compiled as stubs that raise NVTE_ERROR naming the function. Every other source, the Hopper
