@@ -344,8 +344,8 @@ def main(argv=None):
                "local (--transformer-impl local) with the torch SDPA core attention",
                warmup_iters=args.warmup_iters, apex_wgrad_fusion=apex_wgrad_fusion(),
                deep_gemm="importable" if _importable("deep_gemm") else "absent")
-    name = f"bench_megatron_pretrain_{args.config}_ep{gpus}" + ("_te" if te else "")  # TE's path: its own table
-    stored = utils.RESULTS_DIR / f"{name}.json"
+    table = f"{args.config}_ep{gpus}" + ("_te" if te else "")  # TE's path: a table of its own
+    stored = utils.RESULTS_DIR / f"bench_megatron_pretrain_{table}.json"
     kept = json.loads(stored.read_text())["results"] if stored.exists() else []
     rows = {(r["config"], r["variant"]): r for r in kept}
     runs, profiles = {variant: [] for variant in args.variants}, {}
@@ -362,7 +362,7 @@ def main(argv=None):
             profiles[variant] = profile_run(cmd, args.run_timeout)
             print(variant, "profile", {k: profiles[variant].get(k) for k in ("wall_ms", "error")}, flush=True)
             timed = {v: r.get("iter_ms") for (c, v), r in rows.items() if c == args.config}
-            profile_path = write_profile(f"{name}_profile", profiles, timed, env)
+            profile_path = write_profile(table, profiles, timed, env)
             longest = max(longest, time.perf_counter() - began)
             continue
         cmd = cmd(probe=not runs[variant], search_cap=args.max_micro_batch_cap)
@@ -379,14 +379,14 @@ def main(argv=None):
                                                          "max_micro_batch", "error")}, flush=True)
         runs[variant].append(row)
         rows[args.config, variant] = combine(runs[variant])
-        path = write(name, list(rows.values()), env)  # after every run: a call cut short keeps the runs done
+        path = write(table, list(rows.values()), env)  # after every run: a call cut short keeps the runs done
     print(path.read_text() if path else "no run started")
     if profile_path:
         print(profile_path.read_text())
 
 
-def write(name: str, rows: list[dict], env: dict) -> pathlib.Path:
-    """``rows`` -> ``name`` .json / .md / .png under benchmarks/results,
+def write(table: str, rows: list[dict], env: dict) -> pathlib.Path:
+    """``rows`` -> ``bench_megatron_pretrain_{table}`` .json / .md / .png under benchmarks/results,
     each row with its tokens/s against the stand-in's of its config (``vs_bf16_grouped_mm``); the .md path."""
     stand_in = {r["config"]: r.get("tokens_per_s_per_gpu") for r in rows if r["variant"] == "bf16_grouped_mm"}
     for r in rows:
@@ -413,7 +413,7 @@ def write(name: str, rows: list[dict], env: dict) -> pathlib.Path:
         "doubling from `micro_batch_size` then bisection, capped (`max_micro_batch_capped`: the cap trained). "
         "`attention`, `optimizer`, `grad_accumulation`: what the run reported it ran. Commands: the `command` "
         "field of each row in the JSON; docs/megatron.md.")
-    path = utils.write_results(name,
+    path = utils.write_results(f"bench_megatron_pretrain_{table}",
                                f"Megatron pretrain at EP={env['gpus']}: BF16 grouped stand-in vs FP8-Flow",
                                env, {}, rows, columns, notes=notes,
                                formats={"vs_bf16_grouped_mm": ".3f", "tokens_per_s_spread": ".1%"})
@@ -463,10 +463,10 @@ def profile_run(cmd, timeout: float) -> dict:
     return dict(error=bench_lines(out).get("profile_error") or root_cause(out) or f"{status}: no profile written")
 
 
-def write_profile(name: str, profiles: dict[str, dict], timed_ms: dict, env: dict) -> pathlib.Path:
+def write_profile(table: str, profiles: dict[str, dict], timed_ms: dict, env: dict) -> pathlib.Path:
     """The variants' ``profiles`` (``profile_run``) against the stand-in's, with the timed runs' ``timed_ms``
-    (``kernel_profile.iteration_rows``) -> ``name`` .json / .md under benchmarks/results, one table per ``part``;
-    the .md path."""
+    (``kernel_profile.iteration_rows``) -> ``bench_megatron_pretrain_{table}_profile`` .json / .md under
+    benchmarks/results, one table per ``part``; the .md path."""
     rows = kernel_profile.iteration_rows(profiles, "bf16_grouped_mm", timed_ms)
     notes = (
         "One run per variant after the timed repeats, its last iteration (every micro-batch's forward and backward, "
@@ -481,7 +481,8 @@ def write_profile(name: str, profiles: dict[str, dict], timed_ms: dict, env: dic
         "DDP's hooks adding .grad into main_grad. The stand-in permutes with Megatron's torch ops (in "
         f"`{kernel_profile.OTHER}`), FP8-Flow with its own kernels (in `FP8-Flow non-GEMM`). launched_by: the op "
         "the profiler tied the kernel to, < the nearest enclosing op outside aten; launches: per iteration.")
-    return utils.write_results(name, f"Megatron pretrain at EP={env['gpus']}: one iteration's GPU time by kernel",
+    return utils.write_results(f"bench_megatron_pretrain_{table}_profile",
+                               f"Megatron pretrain at EP={env['gpus']}: one iteration's GPU time by kernel",
                                env, {}, rows, ["variant", "group", "category", "kernel", "launched_by", "ms", "share",
                                                "vs_bf16_grouped_mm_ms", "launches", "error"],
                                notes=notes, formats={"share": ".1%"}, group_by="part")
