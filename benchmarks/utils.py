@@ -152,13 +152,23 @@ def across_processes(per_process: Sequence[dict[str, float]], baseline: str) -> 
 
 
 def gpu_state() -> dict:
-    """The GPU's SM clock (MHz), temperature (C) and power draw (W) now, as nvidia-smi reports them (through
-    pynvml; empty without it): recorded around timed runs, as a clock that throttled explains a slow one."""
+    """The GPU's SM clock (MHz), temperature (C), power draw (W) and the processes computing on it (this one
+    included) now, as nvidia-smi reports them (through pynvml; empty without it): recorded around timed runs,
+    as a clock that throttled or a process sharing the GPU explains a slow one (a warning names the sharing:
+    on 2026-11-27 a loss study landed on a benchmark's GPU and slowed every block 3.6x)."""
     try:
-        return dict(sm_clock_mhz=torch.cuda.clock_rate(), temperature_c=torch.cuda.temperature(),
-                    power_w=torch.cuda.power_draw() / 1e3)
+        import pynvml
+
+        state = dict(sm_clock_mhz=torch.cuda.clock_rate(), temperature_c=torch.cuda.temperature(),
+                     power_w=torch.cuda.power_draw() / 1e3)  # (NVML initialised by these)
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda._get_nvml_device_index(None))
+        state["processes"] = len(pynvml.nvmlDeviceGetComputeRunningProcesses(handle))
     except Exception as e:  # noqa: BLE001 (no pynvml, NVML refusing: the run goes on without these)
         return dict(unavailable=f"{type(e).__name__}: {e}")
+    if state["processes"] > 1:
+        print(f"warning: {state['processes']} processes compute on this GPU: timings are shared-GPU timings",
+              file=sys.stderr, flush=True)
+    return state
 
 
 def cuda_graph(step: Callable[[], object], warmup: int = 2) -> "torch.cuda.CUDAGraph":

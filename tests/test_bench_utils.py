@@ -5,6 +5,7 @@ merged with a stored file, and markdown grouped by a key."""
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -133,3 +134,24 @@ def test_markdown_grouped_by_a_key_has_a_table_per_value_with_its_columns(tmp_pa
     assert "| shape | ms | peak |" in s1 and "per" not in s1
     assert "| shape | ms | per |" in s2 and "| s2 | 1.23 | 1 / 1.5 |" in s2 and "peak" not in s2
     assert json.loads((tmp_path / "r.json").read_text())["results"] == rows
+
+
+def test_gpu_state_counts_the_processes_sharing_the_gpu_and_warns(monkeypatch, capsys):
+    """The state recorded around timed runs says how many processes compute on the GPU; more than this one is
+    warned of (a shared GPU's timings are not the block's)."""
+    import types
+
+    for name, value in (("clock_rate", 1980), ("temperature", 60), ("power_draw", 550_000),
+                        ("_get_nvml_device_index", 3)):
+        monkeypatch.setattr(utils.torch.cuda, name, lambda *a, _v=value: _v)
+    processes = {3: ["this one"]}
+    nvml = types.SimpleNamespace(nvmlDeviceGetHandleByIndex=lambda index: index,
+                                 nvmlDeviceGetComputeRunningProcesses=lambda handle: processes[handle])
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    assert utils.gpu_state() == dict(sm_clock_mhz=1980, temperature_c=60, power_w=550.0, processes=1)
+    assert "warning" not in capsys.readouterr().err
+    processes[3] = ["this one", "a loss study"]
+    assert utils.gpu_state()["processes"] == 2
+    assert "2 processes compute on this GPU" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: the run goes on without the state
+    assert set(utils.gpu_state()) == {"unavailable"}
