@@ -103,10 +103,18 @@ def add_fp8_flow_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+def _check_namespace(args, function: str) -> None:
+    """``args`` the parsed namespace: a dict (or None) has no attributes, so every rule would read its defaults and
+    pass silently."""
+    if not isinstance(args, argparse.Namespace):
+        raise TypeError(f"{function}: args must be the argparse.Namespace the parser returned, got "
+                        f"{type(args).__name__} (a dict: argparse.Namespace(**d))")
+
+
 def _view(args: argparse.Namespace) -> FP8FlowView:
     modules = getattr(args, "recompute_modules", None) or ()
     return FP8FlowView(
-        moe_fp8_flow=bool(getattr(args, "moe_fp8_flow", False)),
+        moe_fp8_flow=getattr(args, "moe_fp8_flow", False),
         num_moe_experts=getattr(args, "num_experts", None),
         fp8=getattr(args, "fp8", None),
         moe_fp8_flow_format=getattr(args, "moe_fp8_flow_format", None),
@@ -121,12 +129,11 @@ def _view(args: argparse.Namespace) -> FP8FlowView:
         hidden_size=getattr(args, "hidden_size", None),
         moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
         moe_flex_dispatcher_backend=getattr(args, "moe_flex_dispatcher_backend", None),
-        moe_fp8_flow_single_grouped_weight=bool(getattr(args, "moe_fp8_flow_single_grouped_weight", False)),
+        moe_fp8_flow_single_grouped_weight=getattr(args, "moe_fp8_flow_single_grouped_weight", False),
         unsupported=unsupported_settings(args),
-        moe_fp8_flow_cuda_graph=bool(getattr(args, "moe_fp8_flow_cuda_graph", False)),
+        moe_fp8_flow_cuda_graph=getattr(args, "moe_fp8_flow_cuda_graph", False),
         graph_conflicts=cuda_graph_conflicts(args),
-        moe_fp8_flow_gradient_accumulation_fusion=bool(getattr(args, "moe_fp8_flow_gradient_accumulation_fusion",
-                                                                False)),
+        moe_fp8_flow_gradient_accumulation_fusion=getattr(args, "moe_fp8_flow_gradient_accumulation_fusion", False),
         no_main_grad=unsupported_settings(args, NO_MAIN_GRAD),
     )
 
@@ -134,6 +141,7 @@ def _view(args: argparse.Namespace) -> FP8FlowView:
 def validate_fp8_flow_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming every FP8-Flow rule the parsed ``args`` break (by flag), and every
     ``--moe-fp8-flow-*`` flag given without ``--moe-fp8-flow`` (it would do nothing)."""
+    _check_namespace(args, "validate_fp8_flow_args")
     problems = fp8_flow_problems(_view(args), flag)
     # the format alone here: a TransformerConfig may carry it unused (the other flags' rules are shared)
     if getattr(args, "moe_fp8_flow_format", None) is not None and not getattr(args, "moe_fp8_flow", False):
@@ -169,6 +177,7 @@ def size_problems(args: argparse.Namespace) -> list:
     consistency rules are Megatron-LM's own ``validate_args`` assertions (``hidden_size % num_attention_heads``
     without ``--kv-channels``, ``max_position_embeddings >= seq_length``, ``min_lr <= lr``, experts divisible by
     the expert-parallel size), so a run fails here with the flag's name and not deep in training."""
+    _check_namespace(args, "size_problems")
     problems = []
     for field, least in _AT_LEAST.items():
         value = getattr(args, field, None)
@@ -178,14 +187,17 @@ def size_problems(args: argparse.Namespace) -> list:
         value = getattr(args, field, None)
         # a list: Megatron's --moe-aux-loss-coeff, one per load-balancing type
         values = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
-        if any(not (low <= v and (v <= high if closed else v < high)) for v in values):
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):  # once Python's TypeError
+            problems.append(f"{flag(field)} must be a number, got {value!r}")
+        elif any(not (low <= v and (v <= high if closed else v < high)) for v in values):
             span = f">= {low}" if high == _INF else f"in [{low}, {high}{']' if closed else ')'}"
             problems.append(f"{flag(field)} must be {span}, got {value!r}")
     if problems:  # the rules below divide by these
         return problems
     value = {f: getattr(args, f, None) for f in ("hidden_size", "num_attention_heads", "kv_channels", "seq_length",
                                                  "max_position_embeddings", "lr", "min_lr", "num_experts",
-                                                 "expert_model_parallel_size")}
+                                                 "expert_model_parallel_size", "global_batch_size",
+                                                 "micro_batch_size")}
     if value["hidden_size"] and value["num_attention_heads"] and value["kv_channels"] is None \
             and value["hidden_size"] % value["num_attention_heads"]:
         problems.append(f"--hidden-size {value['hidden_size']} must be a multiple of --num-attention-heads "
@@ -200,6 +212,10 @@ def size_problems(args: argparse.Namespace) -> list:
             value["num_experts"] % value["expert_model_parallel_size"]:
         problems.append(f"--num-experts {value['num_experts']} must be a multiple of --expert-model-parallel-size "
                         f"{value['expert_model_parallel_size']} (each expert-parallel rank holds as many experts)")
+    if value["global_batch_size"] and value["micro_batch_size"] and \
+            value["global_batch_size"] % value["micro_batch_size"]:
+        problems.append(f"--global-batch-size {value['global_batch_size']} must be a multiple of --micro-batch-size "
+                        f"{value['micro_batch_size']} (times the data-parallel size: whole micro-batches per step)")
     return problems
 
 
@@ -213,12 +229,13 @@ def validate_size_args(args: argparse.Namespace) -> None:
 def resolve_fp8_flow_format(args: argparse.Namespace) -> None:
     """Without TransformerEngine, move ``--fp8-format`` to ``--moe-fp8-flow-format`` (in place),
     with one warning: the experts run FP8-Flow, everything else BF16."""
-    if not args.fp8 or importlib.util.find_spec("transformer_engine"):
+    _check_namespace(args, "resolve_fp8_flow_format")
+    if not getattr(args, "fp8", None) or importlib.util.find_spec("transformer_engine"):
         return
-    if not args.moe_fp8_flow:
+    if not getattr(args, "moe_fp8_flow", False):
         raise ValueError(f"--fp8-format {args.fp8} needs TransformerEngine, which is not installed; add "
                          "--moe-fp8-flow to run the routed experts in FP8 with this package's kernels")
-    args.moe_fp8_flow_format = args.moe_fp8_flow_format or args.fp8
+    args.moe_fp8_flow_format = getattr(args, "moe_fp8_flow_format", None) or args.fp8
     args.fp8 = None
     warnings.warn(f"TransformerEngine is not installed: the routed experts run FP8-Flow "
                   f"({args.moe_fp8_flow_format}, transformer_engine_moe kernels); attention and "

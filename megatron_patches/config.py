@@ -105,6 +105,9 @@ def _patch_post_init(cls) -> None:
     @functools.wraps(original)
     def __post_init__(self):
         modules = self.recompute_modules
+        if isinstance(modules, str):  # "moe_expert" once matched as a substring, then was split into its letters
+            raise ValueError(f"recompute_modules must be a list of module names, got the string {modules!r} "
+                             f"(write [{modules!r}])")
         ours = modules is not None and MOE_EXPERT in modules
         if ours:
             self.recompute_modules = [m for m in modules if m != MOE_EXPERT]

@@ -158,9 +158,33 @@ class FP8FlowView:
     """The settings of ``NO_MAIN_GRAD`` that are set: field -> value."""
 
 
+# FP8FlowFields' switches, and the sizes the rules compute with: their types are checked first (a truthy "no" once
+# switched FP8-Flow on; a size given as a string once failed with Python's TypeError, naming nothing).
+_SWITCHES = ("moe_fp8_flow", "moe_fp8_flow_single_grouped_weight", "moe_fp8_flow_cuda_graph",
+             "moe_fp8_flow_gradient_accumulation_fusion")
+_SIZES = ("num_moe_experts", "moe_router_topk", "hidden_size", "moe_ffn_hidden_size")
+
+
+def _type_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
+    """The settings of the wrong type, one sentence each: the rules below read them as bools, ints and names."""
+    problems = [f"{name(s)} must be a bool (True or False), got {getattr(view, s)!r}" for s in _SWITCHES
+                if not isinstance(getattr(view, s), bool)]
+    for setting in _SIZES:
+        value = getattr(view, setting)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            problems.append(f"{name(setting)} must be a positive int, got {value!r}")
+    modules = view.recompute_modules
+    if not isinstance(modules, (list, tuple)) or not all(isinstance(m, str) for m in modules):
+        problems.append(f"{name('recompute_modules')} must be a list of module names (e.g. [{MOE_EXPERT!r}]), "
+                        f"got {modules!r}")
+    return problems
+
+
 def fp8_flow_problems(view: FP8FlowView, name: Callable[[str], str]) -> list:
     """Every violated rule as a sentence; ``name(field)`` spells a setting (flag or field)."""
-    problems = []
+    problems = _type_problems(view, name)
+    if problems:  # the rules below would misread them
+        return problems
     modules = list(view.recompute_modules or ())
     if MOE_EXPERT in modules:
         if view.recompute_granularity != "selective":
@@ -273,7 +297,15 @@ def cuda_graph_conflicts(source) -> dict:
     """``{field: value}`` of the ``CUDA_GRAPH_CONFLICTS`` settings whose value ``source`` (argparse args or a
     TransformerConfig) sets to one the graphs refuse; settings the source lacks count as unset."""
     values = {f: getattr(source, f, None) for f in CUDA_GRAPH_CONFLICTS}
-    return {f: v for f, v in values.items() if v is not None and CUDA_GRAPH_CONFLICTS[f][0](v)}
+    return {f: v for f, v in values.items() if v is not None and _refused(CUDA_GRAPH_CONFLICTS[f][0], v)}
+
+
+def _refused(rule: Callable[[object], bool], value) -> bool:
+    """``rule(value)``; a value the rule cannot compare (``"2"`` for a size) is refused too, not a TypeError."""
+    try:
+        return bool(rule(value))
+    except TypeError:
+        return True
 
 
 def unsupported_settings(source, table: Mapping[str, str] = UNSUPPORTED_WITH_FP8_FLOW) -> dict:

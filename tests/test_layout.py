@@ -146,6 +146,8 @@ def test_te_adapter_refuses_grouped_columnwise_copy():
     q = quantize_blockwise(torch.randn(300, 256), columnwise=True, m_splits=[100, 200])
     with pytest.raises(ValueError, match="columnwise copy is grouped"):
         to_te(q)
+    with pytest.raises(TypeError, match="to_te expects this package's Float8BlockwiseQTensor, got Tensor"):
+        to_te(q.dequantize())  # once an AttributeError
 
 
 def _calls_with_splits(splits):
@@ -168,13 +170,15 @@ def _calls_with_splits(splits):
     }
 
 
+@pytest.mark.parametrize("splits", [[6, -2], [2**63 - 1, 2**63 - 1, 6]], ids=["negative", "int64-wrap"])
 @pytest.mark.parametrize("op", ["quantize", "quantize_triton", "transpose", "transpose_triton", "grouped_gemm",
                                 "tensor"])
-def test_device_splits_with_a_negative_size_are_refused_by_every_op(op):
+def test_device_splits_with_a_negative_size_are_refused_by_every_op(op, splits):
     """``[6, -2]`` sums to M=4: each op taking splits refuses it before any kernel indexes with it (it
-    used to abort the process from torch's repeat_interleave, and the Triton transpose accepted it)."""
+    used to abort the process from torch's repeat_interleave, and the Triton transpose accepted it). So do sizes
+    whose int64 sum wraps around to M (a segfault, or a GEMM of garbage): each size is at most M."""
     with pytest.raises(ValueError, match=r"m_splits must be >= 0 and sum to M=4"):
-        _calls_with_splits(torch.tensor([6, -2]))[op]()
+        _calls_with_splits(torch.tensor(splits))[op]()
 
 
 def test_splits_on_another_device_than_the_rows_are_refused():
@@ -189,13 +193,14 @@ def test_negative_splits_once_aborted_the_process_now_refused_in_a_subprocess(ba
     out = survives(f"""
 import torch
 from transformer_engine_moe import quantize_blockwise
-try:
-    q = quantize_blockwise(torch.randn(4, 128), columnwise=True, m_splits=torch.tensor([6, -2]), backend={backend!r})
-    q.dequantize(usage="columnwise")
-except ValueError as e:
-    print("ValueError:", e)
+for splits in ([6, -2], [2**63 - 1, 2**63 - 1, 6]):  # the second: once a segfault
+    try:
+        q = quantize_blockwise(torch.randn(4, 128), columnwise=True, m_splits=torch.tensor(splits), backend={backend!r})
+        q.dequantize(usage="columnwise")
+    except ValueError as e:
+        print("ValueError:", e)
 """)
-    assert "ValueError: m_splits must be >= 0 and sum to M=4" in out
+    assert out.count("ValueError: m_splits must be >= 0 and sum to M=4") == 2
 
 
 def test_m_splits_tensor_converts_a_host_list_once_per_values_dtype_and_stream(monkeypatch):

@@ -36,3 +36,17 @@ def test_unknown_role_is_refused_by_name(role):
 def test_recipe_must_be_a_recipe():
     with pytest.raises(TypeError, match="recipe must be an FP8FlowRecipe, got Format"):
         Float8BlockQuantizer.from_recipe(Format.HYBRID, Role.GRAD)
+
+
+@pytest.mark.parametrize("make, exc, match", [
+    (lambda: Float8BlockQuantizer(block_scaling_dim=True), ValueError, "block_scaling_dim must be 1 or 2, got True"),
+    (lambda: Float8BlockQuantizer(block_scaling_dim=1.0), ValueError, "block_scaling_dim must be 1 or 2, got 1.0"),
+    (lambda: Float8BlockQuantizer(backend="cuda"), ValueError, "backend must be one of"),
+    (lambda: FP8FlowRecipe(force_pow_2_scales=0), TypeError, "force_pow_2_scales must be a bool .*, got 0"),
+    (lambda: FP8FlowRecipe(force_pow_2_scales=None), TypeError, "force_pow_2_scales must be a bool .*, got None"),
+], ids=["dim-bool", "dim-float", "backend", "recipe-pow2-int", "recipe-pow2-none"])
+def test_settings_are_refused_when_made(make, exc, match):
+    """Issue 41's probe: each was once accepted and read later (``True`` as 1, a bad backend at the first call, ``0``
+    as a falsy recipe flag that the quantizers then refused)."""
+    with pytest.raises(exc, match=match):
+        make()

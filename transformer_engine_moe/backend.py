@@ -95,6 +95,9 @@ def use_triton(backend: str, tensor: torch.Tensor, op_name: str) -> bool:
     """True when ``op_name`` should run its Triton kernel on ``tensor``'s device (``backend``: ``BACKENDS``)."""
     if backend not in BACKENDS:
         raise ValueError(f"{op_name}: backend must be one of {BACKENDS}, got {backend!r}")
+    if tensor.device.type == "meta":  # once a NotImplementedError from Triton, a RuntimeError from .item() deep inside
+        raise ValueError(f"{op_name}: got a tensor on the meta device, which holds no data to compute with; "
+                         "materialise it first (e.g. module.to_empty(device=...) and initialise the weights)")
     if backend == "reference" or (backend == "auto" and not tensor.is_cuda):
         return False
     if TRITON is None:

@@ -114,7 +114,10 @@ def check_m_splits(m_splits: MSplits, m: int, name: str = "m_splits", device=Non
             )
         if device is not None and m_splits.device != torch.device(device):
             raise ValueError(f"{name} is on {m_splits.device}, the rows it splits on {device}")
-        check_on_device((m_splits >= 0).all() & (m_splits.sum() == m), f"{name} must be >= 0 and sum to M={m}")
+        # each size in [0, M] as well as the sum: sizes near 2**63 whose int64 sum wraps around to M once passed
+        # and crashed the kernels (a segfault); bounded so, G sizes sum to at most G * M, far from wrapping
+        check_on_device(((m_splits >= 0) & (m_splits <= m)).all() & (m_splits.sum() == m),
+                        f"{name} must be >= 0 and sum to M={m} (each size at most M)")
         return m_splits
     if not isinstance(m_splits, (list, tuple)) or not all(type(s) is int for s in m_splits):
         raise TypeError(f"{name} must be a list of ints or an integer tensor, got {type(m_splits).__name__}")

@@ -32,7 +32,7 @@ class Float8BlockQuantizer:
         block_scaling_dim: int = 1,
         backend: str = "auto",
     ):
-        if block_scaling_dim not in (1, 2):
+        if type(block_scaling_dim) is not int or block_scaling_dim not in (1, 2):  # not True, not 1.0
             raise ValueError(f"block_scaling_dim must be 1 or 2, got {block_scaling_dim!r}")
         self._args = QuantizeArgs(
             BlockShape.TILE_128x128 if block_scaling_dim == 2 else BlockShape.ROW_1x128,

@@ -111,6 +111,7 @@ class FP8FlowRecipe:
             raise TypeError(
                 f"fp8_format must be a transformer_engine_moe.Format, got {self.fp8_format!r}"
             )
+        check_bool(self.force_pow_2_scales, "force_pow_2_scales")
         check_amax_epsilon(self.amax_epsilon)
 
     def fp8_dtype(self, role: Role) -> torch.dtype:
@@ -129,6 +130,13 @@ class FP8FlowRecipe:
     def block(role: Role) -> BlockShape:
         """The block shape for tensors of ``role`` (a ``Role`` or its string): 128x128 for weights, else 1x128."""
         return BlockShape.TILE_128x128 if Role.parse(role) is Role.WEIGHT else BlockShape.ROW_1x128
+
+
+def check_bool(value, name: str) -> None:
+    """Raise TypeError naming ``name`` unless ``value`` is a bool: a truthy stand-in (``1``, ``"no"``, ``None``) once
+    switched a setting on or off silently."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool (True or False), got {value!r}")
 
 
 def check_amax_epsilon(amax_epsilon) -> None:

@@ -372,11 +372,14 @@ def _bad(kind):
         "fp8_columnwise_only": ((quantize_blockwise(x, rowwise=False, columnwise=True), ids, probs), ValueError,
                                 r"rowwise 1x128 data .* usages=\('columnwise',\)"),
         "fp8_2d_scaled": ((quantize_blockwise(x, "128x128"), ids, probs), ValueError, r"rowwise 1x128 data .* block=128x128"),
+        # the hostile-input probe: docs/inputs.md promised this check; the dispatchers once sent (and counted) the
+        # slot twice
+        "id_twice": ((x, ids[:, :1].expand(6, 2), probs), ValueError, "topk_ids names an expert twice for one token"),
     }[kind]
 
 
 BAD = ["ids_dtype", "ids_rows", "probs_shape", "probs_dtype", "id_too_large", "id_below_minus_one", "hidden_fp32",
-       "hidden_3d", "hidden_list", "fp8_columnwise_only", "fp8_2d_scaled"]
+       "hidden_3d", "hidden_list", "fp8_columnwise_only", "fp8_2d_scaled", "id_twice"]
 
 
 @pytest.mark.parametrize("kind", BAD)
@@ -412,6 +415,8 @@ def test_get_dispatcher_names_and_arguments(world_of_one):
         get_dispatcher("local", num_experts=0)
     with pytest.raises(ValueError, match="takes no recipe"):
         get_dispatcher("local", num_experts=4, recipe=FP8FlowRecipe())
+    with pytest.raises(TypeError, match="recipe must be an FP8FlowRecipe or None, got 'e4m3'"):
+        get_dispatcher("alltoall", num_experts=4, recipe="e4m3")
     grad_dtype = get_dispatcher("alltoall", num_experts=4, recipe=FP8FlowRecipe(fp8_format=Format.HYBRID)).grad_quantizer.dtype
     assert grad_dtype == torch.float8_e5m2
 

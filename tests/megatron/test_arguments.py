@@ -233,3 +233,63 @@ def test_unsupported_version_is_named(monkeypatch):
     monkeypatch.setattr(package_info, "__version__", "0.14.0")
     with pytest.raises(RuntimeError, match=r"0\.16\.1 or 0\.19\.x; found megatron-core 0\.14\.0"):
         megatron_core_version()
+
+
+VALID_FLOW = dict(moe_fp8_flow=True, fp8="e4m3", fp8_recipe="blockwise", num_experts=4, moe_grouped_gemm=True,
+                  moe_token_dispatcher_type="alltoall", swiglu=True, add_bias_linear=False, recompute_granularity=None,
+                  recompute_modules=None, hidden_size=128, moe_ffn_hidden_size=128, moe_router_topk=2)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(moe_fp8_flow="no"), "--moe-fp8-flow must be a bool \\(True or False\\), got 'no'"),
+    (dict(moe_fp8_flow_cuda_graph=1), "--moe-fp8-flow-cuda-graph must be a bool \\(True or False\\), got 1"),
+    (dict(moe_fp8_flow_gradient_accumulation_fusion="false"),
+     "--moe-fp8-flow-gradient-accumulation-fusion must be a bool \\(True or False\\), got 'false'"),
+    (dict(moe_fp8_flow_single_grouped_weight=None), "--moe-fp8-flow-single-grouped-weight must be a bool"),
+    (dict(moe_router_topk=True), "--moe-router-topk must be a positive int, got True"),
+    (dict(num_experts="4"), "--num-experts must be a positive int, got '4'"),
+    (dict(num_experts=-4), "--num-experts must be a positive int, got -4"),
+    (dict(hidden_size=128.0), "--hidden-size must be a positive int, got 128.0"),
+    (dict(hidden_size=0), "--hidden-size must be a positive int, got 0"),
+    (dict(recompute_modules="moe_expert"), "--recompute-modules must be a list of module names .* got 'moe_expert'"),
+    (dict(moe_fp8_flow_cuda_graph=True, expert_model_parallel_size="2"),
+     "--moe-fp8-flow-cuda-graph does not support --expert-model-parallel-size \\(got '2'; expected 1\\)"),
+], ids=["flow-str", "graph-int", "fusion-str", "single-none", "topk-bool", "experts-str", "experts-negative",
+        "hidden-float", "hidden-0", "modules-str", "graph-ep-str"])
+def test_settings_of_the_wrong_type_are_named(change, message):
+    """Issue 41's probe: a truthy "no" or 1 once switched a setting on, sizes given as strings failed with Python's
+    TypeError naming nothing, a string of modules was read letter by letter (a hand-made namespace, a YAML config)."""
+    with pytest.raises(ValueError, match=message):
+        validate_fp8_flow_args(argparse.Namespace(**{**VALID_FLOW, **change}))
+
+
+def test_config_fields_of_the_wrong_type_are_named():
+    """The same rules through TransformerConfig; a string of recompute modules once reached Megatron's own check as
+    its letters (an AssertionError)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    megatron_patches.apply()
+    base = dict(num_layers=1, hidden_size=128, num_attention_heads=4, num_moe_experts=4, add_bias_linear=False,
+                gated_linear_unit=True, activation_func=torch.nn.functional.silu, moe_fp8_flow=True,
+                moe_fp8_flow_format="e4m3", fp8_recipe="blockwise", moe_grouped_gemm=True,
+                moe_token_dispatcher_type="alltoall")
+    with pytest.raises(ValueError, match="moe_fp8_flow_cuda_graph must be a bool \\(True or False\\), got 1"):
+        TransformerConfig(**base, moe_fp8_flow_cuda_graph=1)
+    with pytest.raises(ValueError, match="recompute_modules must be a list of module names, got the string"):
+        TransformerConfig(**base, recompute_granularity="selective", recompute_modules="moe_expert")
+
+
+def test_argument_functions_need_the_parsed_namespace():
+    """A dict has no attributes: every rule read its defaults and passed; values of the wrong type are
+    listed, not Python's TypeError."""
+    for function in (validate_fp8_flow_args, size_problems):
+        with pytest.raises(TypeError, match="args must be the argparse.Namespace the parser returned, got dict"):
+            function(dict(VALID_FLOW))
+    assert size_problems(argparse.Namespace(lr="1e-3")) == ["--lr must be a number, got '1e-3'"]
+
+
+def test_global_batch_must_hold_whole_micro_batches(capsys):
+    """Megatron-LM's rule, at parse time (the compact loop found it only when training started)."""
+    with pytest.raises(SystemExit):
+        parse_args(MODEL + FULL + ["--global-batch-size", "3"])
+    assert "--global-batch-size 3 must be a multiple of --micro-batch-size 2" in capsys.readouterr().err

@@ -166,6 +166,16 @@ def test_bad_arguments(make, exc, match):
         make()
 
 
+def test_graph_pool_names_what_it_cannot_take():
+    """Issue 41's probe: ``defer`` once stored anything (an AttributeError at the next capture), and ``handle()``
+    without a GPU raised torch's "dummy base class" error."""
+    with pytest.raises(TypeError, match="graphed must be a GraphedFP8FlowMoE, got int"):
+        GraphPool().defer(3)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="a CUDA graph memory pool needs a CUDA GPU"):
+            GraphPool().handle()
+
+
 def test_cpu_training_call_is_refused_and_evaluation_runs_eagerly():
     """On the CPU there is nothing to capture: a training call says so; evaluation and no-grad calls run the block
     itself (the same output)."""

@@ -499,6 +499,14 @@ def test_single_grouped_weight_checkpoints_load_both_ways():
         GroupedLinear(3, 128, 256).load_state_dict(one.state_dict())
 
 
+def _with_main_grads(gl, shared=False):
+    """``gl`` with a float32 ``main_grad`` on every weight: one buffer for all when ``shared``."""
+    buf = torch.zeros(gl.out_features, gl.in_features)
+    for w in gl.weight_params:
+        w.main_grad = buf if shared else torch.zeros_like(w, dtype=torch.float32)
+    return gl
+
+
 @pytest.mark.parametrize(
     "make,call,exc,match",
     [
@@ -529,10 +537,21 @@ def test_single_grouped_weight_checkpoints_load_both_ways():
          "rowwise 1x128 with power-of-two scales"),
         (None, lambda gl: gl(quantize_blockwise(torch.randn(4, 128), force_pow_2_scales=False), [2, 2]), ValueError,
          "rowwise 1x128 with power-of-two scales"),
+        # the hostile-input probe: bias="no" (once biases), a flag "yes" to the weight cache (once cached as True), one
+        # main_grad buffer for two experts (once both gradients written into it), a module on the meta device
+        (lambda: GroupedLinear(2, 128, 128, bias="no"), None, TypeError, "bias must be a bool, got 'no'"),
+        (None, lambda gl: gl.fp8_weights("yes"), TypeError, "is_first_microbatch must be None or a bool, got 'yes'"),
+        (None, lambda gl: gl.prefetch_fp8_weights(None, transpose="no"), TypeError, "transpose must be a bool"),
+        (lambda: _with_main_grads(GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=True), shared=True),
+         lambda gl: gl(torch.randn(4, 128), [2, 2]), ValueError,
+         "weight0.main_grad and weight1.main_grad share memory"),
+        (lambda: GroupedLinear(2, 128, 128, device="meta"), lambda gl: gl(torch.randn(4, 128, device="meta"), [2, 2]),
+         ValueError, "got a tensor on the meta device"),
     ],
     ids=["features", "num-gemms", "params-dtype", "in-features", "recompute-in-features", "sum", "negative", "dtype", "groups", "groups-4",
          "recipe-str", "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad",
-         "single-fuse-without-main-grad", "single-not-bool", "device", "weight-role-input", "fp32-scales-input"],
+         "single-fuse-without-main-grad", "single-not-bool", "device", "weight-role-input", "fp32-scales-input",
+         "bias-str", "cache-flag-str", "transpose-str", "shared-main-grad", "meta-module"],
 )
 def test_bad_input_is_rejected_clearly(make, call, exc, match):
     with pytest.raises(exc, match=match):

@@ -307,8 +307,14 @@ def test_routing_corner_cases(case):
         (dict(gemm_backend="bogus"), None, ValueError, "backend must be one of"),
         ({}, lambda m: m.forward_topk(torch.randn(4, H, device="meta").bfloat16(), *batch(0, t=4)[1:]), ValueError,
          "hidden is on meta, the block's parameters on cpu"),
+        # the hostile-input probe: the experts phase without counts (once "'NoneType' object is not iterable"), a
+        # cache flag "yes" (once cached as True)
+        ({}, lambda m: m.experts(quantize_blockwise(torch.randn(4, H)), *batch(0, t=4)[1:], None), TypeError,
+         "tokens_per_expert must be the dispatch's host list of 4 ints or its \\[4\\] device tensor, got NoneType"),
+        ({}, lambda m: m.prefetch_fp8_weights("yes"), TypeError, "is_first_microbatch must be None or a bool"),
     ],
-    ids=["no-precision-modes", "recompute", "hidden", "topk", "align-0", "align-float", "gemm-backend", "device"],
+    ids=["no-precision-modes", "recompute", "hidden", "topk", "align-0", "align-float", "gemm-backend", "device",
+         "experts-no-counts", "prefetch-flag-str"],
 )
 def test_bad_input(kw, call, exc, match):
     with pytest.raises(exc, match=match):

@@ -219,10 +219,25 @@ def test_empty_input():
         (lambda x, w: transpose_grouped_weight(x), ValueError, r"weight must be 128x128-scaled rowwise"),
         (lambda x, w: transpose_grouped_weight(w.dequantize()), TypeError, r"weight must be a Float8BlockwiseQTensor"),
         (lambda x, w: transpose_grouped_weight(w, backend="cuda"), ValueError, r"transpose_grouped_weight: backend"),
+        # the hostile-input probe: sizes whose int64 sum wraps to M (once silent garbage, or a crash), one buffer
+        # for two groups (once two experts' gradients written into it), out on another device (once left
+        # unwritten), accumulate="no" (once added)
+        (lambda x, w: grouped_gemm(x, w, torch.tensor([2**63 - 1, 2**63 - 1, 258])), ValueError,
+         r"each size at most M"),
+        (lambda x, w: grouped_gemm_wgrad(*[scaling_aware_transpose(x, [128, 128])] * 2, [128, 128],
+                                         out=[torch.zeros(256, 256)] * 2), ValueError,
+         r"out\[0\] and out\[1\] share memory"),
+        (lambda x, w: grouped_gemm_wgrad(*[scaling_aware_transpose(x, [128, 128])] * 2, [128, 128],
+                                         out=torch.zeros(2, 256, 256, device="meta")), ValueError,
+         r"on cpu .* on meta"),
+        (lambda x, w: grouped_gemm_wgrad(*[scaling_aware_transpose(x, [128, 128])] * 2, [128, 128],
+                                         out=torch.zeros(2, 256, 256), accumulate="no"), TypeError,
+         r"accumulate must be a bool"),
     ],
     ids=["sum", "groups", "num-groups", "negative", "none", "features", "bf16-inp", "bf16-weight", "1x128-weight",
          "out-dtype", "wgrad-out-dtype", "backend", "no-columnwise", "other-splits", "out-shape",
-         "transpose-1x128", "transpose-bf16", "transpose-backend"],
+         "transpose-1x128", "transpose-bf16", "transpose-backend", "splits-int64-wrap", "out-shared", "out-device",
+         "accumulate-str"],
 )
 def test_bad_input_is_rejected_clearly(call, exc, match):
     x, w = act(256, 256, device="cpu"), weights(2, 256, 256, device="cpu")

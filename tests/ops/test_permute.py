@@ -271,8 +271,8 @@ def test_unpermute_backward_kernel_matches_reference():
          "moe_unpermute: map_type='index'"),
         (lambda x, rm, p: moe_unpermute(x, torch.zeros(4, 7, dtype=torch.int32), p, probs=p), ValueError,
          "both merging_probs and its deprecated name probs"),
-        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, torch.zeros(3), 16, 8), ValueError,
-         "tokens_per_expert differs"),
+        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, torch.zeros(3, dtype=torch.long), 16, 8),
+         ValueError, "tokens_per_expert differs"),
         (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, [2, 2, 0], 16), ValueError,
          "tokens_per_expert differs"),
         (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, [2, 2], 16), ValueError,
@@ -300,12 +300,30 @@ def test_unpermute_backward_kernel_matches_reference():
         (lambda x, rm, p: routing_map_to_topk(p, rm, 4), ValueError, r"topk must be an int in \[1, E=3\]"),
         (lambda x, rm, p: routing_map_to_topk(p, rm, 1), ValueError, "selects more than topk=1"),
         (lambda x, rm, p: routing_map_to_topk(p[:, :2], rm, 2), ValueError, r"probs must have shape \[4, 3\]"),
+        # the hostile-input probe: an integer map's 2 or -1 (once routed silently), no experts (once a
+        # ZeroDivisionError in the Triton launcher), float counts (once truncated), counts on the meta device, bools
+        # for ints
+        (lambda x, rm, p: moe_permute(x, rm.int() * 2, 8), ValueError, "must hold only 0 and 1"),
+        (lambda x, rm, p: moe_permute(x, rm.int() - 1, 12), ValueError, "must hold only 0 and 1"),
+        (lambda x, rm, p: moe_permute(x, rm[:, :0], 8, backend="triton"), ValueError, "at least one expert column"),
+        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, rm.sum(0).float(), 16), TypeError,
+         "tokens_per_expert must be an int32/int64 tensor, got torch.float32"),
+        (lambda x, rm, p: moe_permute_and_pad_with_probs(x, p, rm, rm.sum(0).to("meta"), 16), ValueError,
+         "tokens_per_expert is on meta"),
+        (lambda x, rm, p: moe_unpermute(x, torch.zeros(4, 7, dtype=torch.int32), restore_shape="ab"), TypeError,
+         "restore_shape must be a sequence of ints"),
+        (lambda x, rm, p: routing_map_to_topk(p, rm, True), ValueError, "topk must be an int .* got True"),
+        (lambda x, rm, p: topk_to_routing_map(torch.tensor([[0]]), torch.ones(1, 1), True), ValueError,
+         "num_experts must be a positive int, got True"),
+        (lambda x, rm, p: moe_permute(x.to("meta"), rm.to("meta"), 8), ValueError,
+         "moe_permute: got a tensor on the meta"),
     ],
     ids=["int-inp", "1d-inp", "map-rows", "map-float", "probs-shape", "too-few-rows", "negative-rows",
          "align", "align-0", "tpe-none", "map-type-index", "map-type-bogus", "max-token-num", "unpermute-index",
          "probs-twice", "tpe", "tpe-list", "tpe-list-len", "tpe-shape", "fp8-unpermute", "map-dtype", "merge-shape",
          "restore", "pad-dtype", "id-range", "id-twice",
-         "id-dtype", "rm-dtype", "rm-3d", "topk-range", "too-many", "rm-probs-shape"],
+         "id-dtype", "rm-dtype", "rm-3d", "topk-range", "too-many", "rm-probs-shape", "int-map-2", "int-map-neg",
+         "no-experts", "tpe-float", "tpe-meta", "restore-str", "topk-bool", "num-experts-bool", "meta"],
 )
 def test_bad_input_is_rejected_clearly(call, exc, match):
     x = torch.randn(4, 128)

@@ -265,10 +265,16 @@ def test_one_spelling_for_power_of_two_scales_with_the_old_names_as_aliases():
         (lambda: torch.randn(4, 128), {"backend": "cuda"}, ValueError, "backend must be one of"),
         (lambda: torch.randn(4, 128), {"m_splits": [4]}, ValueError, "needs block='1x128', columnwise=True"),
         (lambda: torch.randn(4, 128), {"m_splits": [1, 2], "columnwise": True}, ValueError, "sum to M=4"),
+        # the hostile-input probe: sizes whose int64 sum wraps around to M (once a segfault), a meta tensor (once
+        # NotImplementedError from Triton's interpreter, a meta result from the reference)
+        (lambda: torch.randn(4, 128), {"m_splits": torch.tensor([2**63 - 1, 2**63 - 1, 6]), "columnwise": True},
+         ValueError, r"sum to M=4 \(each size at most M\)"),
+        (lambda: torch.randn(4, 128, device="meta"), {}, ValueError, "quantize_blockwise: got a tensor on the meta"),
+        (lambda: torch.randn(4, 128, device="meta"), {"backend": "triton"}, ValueError, "on the meta device"),
     ],
     ids=["1d", "int", "fp8-in", "transposed", "non-viewable", "k0", "list", "quantized", "block",
          "fp8-dtype", "neg-eps", "nan-eps", "no-usage", "pow2-int", "backend", "splits-rowwise",
-         "splits-sum"],
+         "splits-sum", "splits-int64-wrap", "meta", "meta-triton"],
 )
 def test_bad_input_is_rejected_clearly(make_x, kwargs, exc, match):
     with pytest.raises(exc, match=match):

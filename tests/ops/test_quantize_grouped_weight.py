@@ -79,6 +79,10 @@ def test_bad_input(bad, err, match):
 def test_bad_backend():
     with pytest.raises(ValueError, match="backend"):
         quantize_grouped_weight([torch.randn(128, 128)], backend="cublas")
+    with pytest.raises(TypeError, match="transpose must be a bool .*, got 'no'"):  # once read as True
+        quantize_grouped_weight([torch.randn(128, 128)], transpose="no")
+    with pytest.raises(ValueError, match="quantize_grouped_weight: got a tensor on the meta device"):
+        quantize_grouped_weight([torch.randn(128, 128, device="meta")])
 
 
 @requires_cuda

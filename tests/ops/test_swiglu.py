@@ -164,6 +164,8 @@ def test_bad_input_is_rejected_clearly(make, exc, match):
 def test_bad_recipe():
     with pytest.raises(TypeError, match="recipe must be an FP8FlowRecipe"):
         weighted_swiglu_quant(torch.randn(4, 256), None, recipe="hybrid")
+    with pytest.raises(TypeError, match="quantize_grad must be a bool .*, got 'no'"):  # once an FP8 gradient
+        weighted_swiglu_quant(torch.randn(4, 256), None, quantize_grad="no")
 
 
 @requires_cuda

@@ -4,6 +4,7 @@ it owns, strided components."""
 import io
 import pickle
 
+import numpy as np
 import pytest
 import torch
 
@@ -53,6 +54,38 @@ def test_constructor_rejects_inconsistent_components():
         Float8BlockwiseQTensor(**ok)
     with pytest.raises(TypeError, match="dtype must be one of"):
         Float8BlockwiseQTensor(**{**ok, "dtype": torch.int32}, rowwise_data=d, rowwise_scale_inv=s)
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(shape=None), TypeError, "shape must be a sequence of ints .* got None"),
+    (dict(shape=(4.0, 256)), TypeError, r"shape must be a sequence of ints .* got \(4.0, 256\)"),
+    (dict(shape=(-4, 256)), ValueError, r"shape must hold sizes >= 0, got \[-4, 256\]"),
+    (dict(rowwise_data=[[0] * 256] * 4), TypeError, "rowwise_data must be a plain torch.Tensor, got list"),
+    (dict(rowwise_scale_inv=np.ones((4, 2), dtype=np.float32)), TypeError,
+     "rowwise_scale_inv must be a plain torch.Tensor, got ndarray"),
+    (dict(is_2D_scaled="yes"), TypeError, "is_2D_scaled must be a bool .*, got 'yes'"),
+    (dict(force_pow_2_scales="false"), TypeError, "force_pow_2_scales must be a bool .*, got 'false'"),
+    (dict(pow2_scales=0), TypeError, "pow2_scales must be a bool .*, got 0"),
+], ids=["shape-none", "shape-float", "shape-negative", "data-list", "scale-numpy", "2d-str", "pow2-str", "pow2-int"])
+def test_constructor_names_each_bad_argument(change, exc, match):
+    """Issue 41's probe: once an AttributeError (a list), "must be float32, got float32" (numpy), torch.Size's
+    message naming no argument, and a flag "false" read as True (a tensor claiming power-of-two scales)."""
+    ok = dict(shape=(4, 256), dtype=torch.bfloat16, fp8_dtype=torch.float8_e4m3fn,
+              rowwise_data=torch.zeros(4, 256, dtype=torch.float8_e4m3fn), rowwise_scale_inv=torch.ones(4, 2))
+    with pytest.raises(exc, match=match):
+        Float8BlockwiseQTensor(**{**ok, **change})
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda q: q.view(-1, -1), ValueError, r"cannot be viewed as \[-1, -1\]: only one dimension can be inferred"),
+    (lambda q: q.reshape(()), ValueError, r"cannot be viewed as \[\]"),
+    (lambda q: q.update_usage(rowwise_usage="no", columnwise_usage=True), TypeError,
+     "rowwise_usage must be a bool .*, got 'no'"),
+], ids=["two-inferred", "0-d", "usage-str"])
+def test_views_and_usages_name_bad_arguments(call, exc, match):
+    """Once torch's RuntimeError from the shape arithmetic, and a usage "no" taken as True."""
+    with pytest.raises(exc, match=match):
+        call(quantize_blockwise(torch.randn(4, 256)))
 
 
 def test_dequantize_usages_and_dtypes():
@@ -226,9 +259,10 @@ def test_update_usage():
         _q(force_pow_2_scales=False).update_usage(columnwise_usage=True)
 
 
-@pytest.mark.parametrize("how", ["torch.save", "pickle"])
+@pytest.mark.parametrize("how", ["torch.save", "torch.save-weights-only", "pickle"])
 def test_pickle_round_trip(how):
-    """torch.save and plain pickle (which cannot serialise float8 storages itself) both round-trip."""
+    """torch.save and plain pickle (which cannot serialise float8 storages itself) both round-trip; so does
+    torch.load's default ``weights_only=True`` (once an UnpicklingError: the rebuild function is a safe global)."""
     q = _q(columnwise=True, m_splits=[100, 200])
     if how == "pickle":
         r = pickle.loads(pickle.dumps(q))
@@ -236,7 +270,7 @@ def test_pickle_round_trip(how):
         buf = io.BytesIO()
         torch.save(q, buf)
         buf.seek(0)
-        r = torch.load(buf, weights_only=False)
+        r = torch.load(buf, weights_only=how.endswith("weights-only"))
     assert isinstance(r, Float8BlockwiseQTensor) and r.usages == q.usages and r.fp8_dtype == q.fp8_dtype
     assert r.columnwise_m_splits == [100, 200] and r.rowwise_data.dtype == q.rowwise_data.dtype
     assert torch.equal(r.dequantize(), q.dequantize())

@@ -38,13 +38,15 @@ def get_dispatcher(
     experts over ``ep_group`` (None: local: no EP; others: the default group). ``recipe``: the
     FP8 format of gradients combine's backward quantizes (alltoall, deepep). ``kwargs`` go to
     the backend (local: ``host_counts``; deepep: ``num_nvl_bytes``, ``num_rdma_bytes``)."""
-    if name not in DISPATCHERS:
+    if not isinstance(name, str) or name not in DISPATCHERS:
         raise ValueError(f"unknown token dispatcher {name!r}; choose one of {sorted(DISPATCHERS)}")
     if name == "local":
         if recipe is not None or set(kwargs) - {"host_counts"}:
             raise ValueError(f"the local dispatcher quantizes nothing and takes no recipe; its only option is "
                              f"host_counts, got {sorted(kwargs)}")
         return LocalTokenDispatcher(num_experts, ep_group, **kwargs)
+    if recipe is not None and not isinstance(recipe, FP8FlowRecipe):  # before the backend asks torch.distributed
+        raise TypeError(f"recipe must be an FP8FlowRecipe or None, got {recipe!r}")
     return DISPATCHERS[name](num_experts, ep_group, recipe, **kwargs)
 
 

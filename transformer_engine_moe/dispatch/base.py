@@ -188,6 +188,10 @@ def check_dispatch_inputs(hidden, topk_ids, topk_probs, num_experts: int, before
         )
     check_on_device(((topk_ids >= -1) & (topk_ids < num_experts)).all(),
                      f"topk_ids holds expert ids outside [-1, num_experts={num_experts})")
+    # an expert twice for one token was once sent (and counted in tokens_per_expert) twice; sorted ids: neighbours
+    ids = topk_ids.sort(dim=1).values
+    check_on_device(((ids[:, 1:] != ids[:, :-1]) | (ids[:, 1:] < 0)).all(),
+                    "topk_ids names an expert twice for one token")
 
 
 def _check_topk(name: str, t, dtype: torch.dtype, shape: tuple) -> None:

@@ -83,11 +83,15 @@ class GraphPool:
 
     def handle(self):
         if self._handle is None:
+            if not torch.cuda.is_available():  # torch's own error here names a "dummy base class"
+                raise RuntimeError("GraphPool.handle(): a CUDA graph memory pool needs a CUDA GPU, and torch sees none")
             self._handle = torch.cuda.graph_pool_handle()
         return self._handle
 
     def defer(self, graphed: "GraphedFP8FlowMoE") -> None:
         """``graphed``'s backward graph is to be captured at the next ``capture_deferred``."""
+        if not callable(getattr(graphed, "_capture_backward", None)):  # once an AttributeError at the capture
+            raise TypeError(f"graphed must be a GraphedFP8FlowMoE, got {type(graphed).__name__}")
         if graphed not in self._deferred:
             self._deferred.append(graphed)
 

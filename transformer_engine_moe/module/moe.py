@@ -240,6 +240,9 @@ class FP8FlowMoE(nn.Module):
         multiple of ``a``) as a trailing weightless group: the GEMMs write zeros there without computing
         them, and wgrad never reads them (``ops.grouped_gemm``)."""
         a, e = self.align_size, self.num_local_experts
+        if not isinstance(tokens_per_expert, (list, tuple, torch.Tensor)):  # None: once "not iterable" below
+            raise TypeError(f"tokens_per_expert must be the dispatch's host list of {e} ints or its [{e}] device "
+                            f"tensor, got {type(tokens_per_expert).__name__}")
         routing_map, probs = topk_to_routing_map(topk_ids, topk_probs, e)
         if not isinstance(tokens_per_expert, torch.Tensor):
             x, probs, row_id_map, pad_offsets, _ = moe_permute_and_pad_with_probs(

@@ -59,7 +59,14 @@ def _check_routing(routing_map, num_tokens: int, device) -> torch.Tensor:
         raise TypeError(f"routing_map must be bool or integer, got {routing_map.dtype}")
     if routing_map.device != device:
         raise ValueError(f"routing_map is on {routing_map.device}, inp on {device}")
-    return routing_map if routing_map.dtype == torch.bool else routing_map != 0
+    if routing_map.shape[1] == 0:  # once a ZeroDivisionError in the Triton launcher
+        raise ValueError(f"routing_map must have at least one expert column, got shape {list(routing_map.shape)}")
+    if routing_map.dtype == torch.bool:
+        return routing_map
+    # TE's integer mask holds 1 (routed) or 0; a 2 or a -1 was once routed silently (on the device: no host sync)
+    check_on_device(((routing_map == 0) | (routing_map == 1)).all(),
+                    f"routing_map of dtype {routing_map.dtype} must hold only 0 and 1 (TransformerEngine's mask)")
+    return routing_map != 0
 
 
 def _check_probs(probs, shape, device, name="probs") -> Optional[torch.Tensor]:
@@ -241,7 +248,7 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
     num_experts = routing_map.shape[1]
     probs = _check_probs(probs, (num_tokens, num_experts), x.device)
     _check_count(num_out_tokens, "num_out_tokens")
-    host_counts = _check_tokens_per_expert(tokens_per_expert, num_experts)
+    host_counts = _check_tokens_per_expert(tokens_per_expert, num_experts, x.device)
     impl = implementation(backend, x, op)
     a = max(align_size or 1, 1)
     row_id_map, counts, pad_offsets, padded = impl.routing_layout(routing_map, a)
@@ -267,7 +274,7 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
     return out, out_probs, row_id_map, pad_offsets, padded
 
 
-def _check_tokens_per_expert(tokens_per_expert, num_experts: int) -> Optional[list[int]]:
+def _check_tokens_per_expert(tokens_per_expert, num_experts: int, device) -> Optional[list[int]]:
     """The per-expert counts as a host list when given as one (else None); a tensor must be ``[E]``."""
     if tokens_per_expert is None:
         return None
@@ -280,6 +287,11 @@ def _check_tokens_per_expert(tokens_per_expert, num_experts: int) -> Optional[li
     if not isinstance(tokens_per_expert, torch.Tensor) or tuple(tokens_per_expert.shape) != (num_experts,):
         raise ValueError(f"tokens_per_expert must be a [num_experts={num_experts}] tensor or a host list, got "
                          f"{type(tokens_per_expert).__name__} {list(getattr(tokens_per_expert, 'shape', []))}")
+    if tokens_per_expert.dtype not in (torch.int32, torch.int64):  # a float tensor was once truncated to counts
+        raise TypeError(f"tokens_per_expert must be an int32/int64 tensor, got {tokens_per_expert.dtype}")
+    if tokens_per_expert.device not in (device, torch.device("cpu")):
+        raise ValueError(f"tokens_per_expert is on {tokens_per_expert.device}; routing_map (and inp) on {device}: "
+                         "pass it there, or as a CPU tensor or host list")
     return None
 
 
@@ -398,7 +410,11 @@ def moe_unpermute(
     if pad_offsets is not None and pad_offsets.device != inp.device:
         raise ValueError(f"pad_offsets is on {pad_offsets.device}, inp on {inp.device}")
     if restore_shape is not None:
-        restore_shape = torch.Size(restore_shape)
+        try:
+            restore_shape = torch.Size(restore_shape)
+        except TypeError:
+            raise TypeError(f"restore_shape must be a sequence of ints holding [num_tokens, hidden], got "
+                            f"{restore_shape!r}") from None
         if restore_shape.numel() != num_tokens * inp.shape[1] or restore_shape[-1] != inp.shape[1]:
             raise ValueError(
                 f"restore_shape {list(restore_shape)} does not hold [num_tokens={num_tokens}, hidden={inp.shape[1]}]"
@@ -444,7 +460,7 @@ def topk_to_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_
     ):
         raise TypeError(f"topk_idx must be a 2-D int32/int64 tensor [num_tokens, k], got "
                         f"{getattr(topk_idx, 'dtype', type(topk_idx))}")
-    if not isinstance(num_experts, int) or num_experts <= 0:
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     topk_weights = _check_probs(topk_weights, topk_idx.shape, topk_idx.device, "topk_weights")
     selected = topk_idx >= 0
@@ -467,7 +483,7 @@ def routing_map_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: in
         got = (f"{routing_map.dtype} of shape {list(routing_map.shape)}" if isinstance(routing_map, torch.Tensor)
                else type(routing_map).__name__)
         raise TypeError(f"routing_map must be a 2-D bool tensor [T, E], got {got}")
-    if not isinstance(topk, int) or not 0 < topk <= routing_map.shape[1]:
+    if not isinstance(topk, int) or isinstance(topk, bool) or not 0 < topk <= routing_map.shape[1]:
         raise ValueError(f"topk must be an int in [1, E={routing_map.shape[1]}], got {topk!r}")
     probs = _check_probs(probs, routing_map.shape, routing_map.device)
     check_on_device((routing_map.sum(1) <= topk).all(), f"routing_map selects more than topk={topk} experts")

@@ -12,9 +12,9 @@ from typing import Optional
 
 import torch
 
-from ..backend import Implementation, implementation
+from ..backend import BACKENDS, Implementation, implementation
 from ..layout import MSplits, check_m_splits
-from ..recipe import FP8_DTYPES, HIGH_PRECISION_DTYPES, BlockShape, check_amax_epsilon
+from ..recipe import FP8_DTYPES, HIGH_PRECISION_DTYPES, BlockShape, check_amax_epsilon, check_bool
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
 
@@ -36,11 +36,12 @@ class QuantizeArgs:
         if self.fp8_dtype not in FP8_DTYPES:
             raise TypeError(f"fp8_dtype must be one of {FP8_DTYPES}, got {self.fp8_dtype}")
         for name in ("force_pow_2_scales", "rowwise", "columnwise"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(getattr(self, name), name)
         if not (self.rowwise or self.columnwise):
             raise ValueError("at least one of rowwise and columnwise must be True")
         check_amax_epsilon(self.amax_epsilon)
+        if self.backend not in BACKENDS:  # here, not at the first call: a quantizer's settings are refused when made
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
 
     @property
     def pow2_scales(self) -> bool:
@@ -201,6 +202,7 @@ def quantize_grouped_weight(
     """
     force_pow_2_scales = force_pow_2_scales if pow2_scales is None else pow2_scales
     args = QuantizeArgs(BlockShape.TILE_128x128, fp8_dtype, force_pow_2_scales, amax_epsilon, backend=backend)
+    check_bool(transpose, "transpose")
     if not isinstance(weights, (list, tuple)) or not weights:
         raise TypeError(f"weights must be a non-empty list of [N, K] tensors, got {type(weights).__name__}")
     w0 = weights[0]

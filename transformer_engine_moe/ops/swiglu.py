@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from ..backend import Implementation, implementation
-from ..recipe import BLOCK_SIZE, HIGH_PRECISION_DTYPES, FP8FlowRecipe, Role
+from ..recipe import BLOCK_SIZE, HIGH_PRECISION_DTYPES, FP8FlowRecipe, Role, check_bool
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
 
@@ -88,5 +88,6 @@ def weighted_swiglu_quant(
     recipe = FP8FlowRecipe() if recipe is None else recipe
     if not isinstance(recipe, FP8FlowRecipe):
         raise TypeError(f"recipe must be an FP8FlowRecipe, got {type(recipe).__name__}")
+    check_bool(quantize_grad, "quantize_grad")
     impl = implementation(backend, x, "weighted_swiglu_quant")
-    return _WeightedSwiGLUQuant.apply(x.contiguous(), probs, recipe, bool(quantize_grad), impl)
+    return _WeightedSwiGLUQuant.apply(x.contiguous(), probs, recipe, quantize_grad, impl)

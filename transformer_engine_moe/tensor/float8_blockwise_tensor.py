@@ -27,7 +27,7 @@ from torch.utils import _pytree as pytree
 from ..backend import REFERENCE, Implementation, implementation
 from ..layout import (MSplits, OwnedSplits, check_m_splits, columnwise_data_shape, compact_to_gemm_ready,
                       num_column_blocks, own_m_splits)
-from ..recipe import BLOCK_SIZE, FP8_DTYPES, HIGH_PRECISION_DTYPES, BlockShape
+from ..recipe import BLOCK_SIZE, FP8_DTYPES, HIGH_PRECISION_DTYPES, BlockShape, check_bool
 from .views import Reshape, Split, reshaped, shape_arg
 
 aten = torch.ops.aten
@@ -45,6 +45,17 @@ def scale_inv_shape(
     return (num_column_blocks(m, m_splits), k) if columnwise else (m, nkb)
 
 
+def _shape(shape) -> torch.Size:
+    """``shape`` as a ``torch.Size`` of non-negative ints (TypeError/ValueError naming it otherwise; symbolic sizes,
+    as ``torch.compile`` passes them to ``__tensor_unflatten__``, are taken as they are)."""
+    if isinstance(shape, torch.Tensor) or not isinstance(shape, (tuple, list, torch.Size)) \
+            or not all(isinstance(n, (int, torch.SymInt)) and not isinstance(n, bool) for n in shape):
+        raise TypeError(f"shape must be a sequence of ints (the logical [..., K]), got {shape!r}")
+    if any(type(n) is int and n < 0 for n in shape):
+        raise ValueError(f"shape must hold sizes >= 0, got {list(shape)}")
+    return torch.Size(shape)
+
+
 def _check_meta(shape: torch.Size, dtype: torch.dtype, fp8_dtype: torch.dtype) -> None:
     if len(shape) < 1:
         raise ValueError("Float8BlockwiseQTensor needs at least one dimension")
@@ -59,6 +70,9 @@ def _check_component(name, data, scale_inv, data_shape, scale_shape, fp8_dtype, 
         raise ValueError(f"{name}_data and {name}_scale_inv must be given together")
     if data is None:
         return
+    for part, t in (("data", data), ("scale_inv", scale_inv)):
+        if not isinstance(t, torch.Tensor) or isinstance(t, Float8BlockwiseQTensor):
+            raise TypeError(f"{name}_{part} must be a plain torch.Tensor, got {type(t).__name__}")
     if data.dtype != fp8_dtype:
         raise TypeError(f"{name}_data must have dtype {fp8_dtype}, got {data.dtype}")
     if tuple(data.shape) != data_shape:
@@ -123,10 +137,17 @@ class Float8BlockwiseQTensor(torch.Tensor):
         requires_grad: bool = False,
         pow2_scales: Optional[bool] = None,
     ):
-        shape = torch.Size(shape)
+        shape = _shape(shape)
         _check_meta(shape, dtype, fp8_dtype)
+        for name, flag in (("is_2D_scaled", is_2D_scaled), ("force_pow_2_scales", force_pow_2_scales),
+                           ("pow2_scales", pow2_scales)):
+            if flag is not None:  # "false" once read as True: a tensor claiming power-of-two scales it lacks
+                check_bool(flag, name)
         if rowwise_data is None and columnwise_data is None:
             raise ValueError("Float8BlockwiseQTensor needs rowwise or columnwise data")
+        for name, data in (("rowwise_data", rowwise_data), ("columnwise_data", columnwise_data)):
+            if data is not None and not isinstance(data, torch.Tensor):
+                raise TypeError(f"{name} must be a plain torch.Tensor, got {type(data).__name__}")
         device = (rowwise_data if rowwise_data is not None else columnwise_data).device
         k = shape[-1]
         m = math.prod(shape[:-1])
@@ -358,6 +379,9 @@ class Float8BlockwiseQTensor(torch.Tensor):
         of the rowwise copy (power-of-two scales only), its blocks restarting at
         each group of ``m_splits``; a rowwise copy cannot be recovered.
         """
+        for name, flag in (("rowwise_usage", rowwise_usage), ("columnwise_usage", columnwise_usage)):
+            if flag is not None:
+                check_bool(flag, name)
         want_row = rowwise_usage if rowwise_usage is not None else self._rowwise_data is not None
         want_col = columnwise_usage if columnwise_usage is not None else self._columnwise_data is not None
         if not (want_row or want_col):
@@ -487,6 +511,11 @@ def _rebuild(shape, dtype, fp8_dtype, is_2D_scaled, force_pow_2_scales, componen
         shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, is_2D_scaled=is_2D_scaled,
         force_pow_2_scales=force_pow_2_scales, **components,
     )
+
+
+# torch.load's default (weights_only=True, torch >= 2.6) refused a saved tensor with an UnpicklingError; _rebuild only
+# calls the checked constructor on tensors, dtypes and lists, so it is a safe global as torch's own rebuilders are
+torch.serialization.add_safe_globals([_rebuild])
 
 
 class _Dequantize(torch.autograd.Function):

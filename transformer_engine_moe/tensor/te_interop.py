@@ -42,6 +42,8 @@ def to_te(t: Float8BlockwiseQTensor):
     Data is shared (viewed as uint8); scales are transposed/padded copies. Grouped
     128x1 columnwise copies (expert-major, ``layout.py``) have no TE equivalent (``ValueError``).
     """
+    if not isinstance(t, Float8BlockwiseQTensor):
+        raise TypeError(f"to_te expects this package's Float8BlockwiseQTensor, got {type(t).__name__}")
     if t.columnwise_m_splits is not None:
         raise ValueError(
             "to_te: t's 128x1 columnwise copy is grouped (expert-major [M*K], blocks restarting at each of "

@@ -26,7 +26,11 @@ def shape_arg(shape) -> tuple:
 
 def reshaped(t: Float8BlockwiseQTensor, shape) -> Float8BlockwiseQTensor:
     """``t`` with another ``[..., K]`` shape of the same last dim K (the FP8 storage is ``[M, K]``)."""
-    new_shape = torch.empty(t.shape, device="meta").reshape(shape).shape
+    try:  # torch's own rules (one -1, sizes that hold the elements), on a meta tensor: no data touched
+        new_shape = torch.empty(t.shape, device="meta").reshape(shape).shape
+    except RuntimeError as error:  # e.g. two -1, or () for many elements: named, not torch's RuntimeError
+        raise ValueError(f"Float8BlockwiseQTensor of shape {list(t.shape)} cannot be viewed as {list(shape)}: "
+                         f"{error}") from None
     if len(new_shape) < 1 or new_shape[-1] != t.shape[-1]:
         raise ValueError(
             f"Float8BlockwiseQTensor can only reshape between [..., K] shapes with K={t.shape[-1]}, "
