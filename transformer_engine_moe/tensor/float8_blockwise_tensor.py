@@ -70,9 +70,6 @@ def _check_component(name, data, scale_inv, data_shape, scale_shape, fp8_dtype, 
         raise ValueError(f"{name}_data and {name}_scale_inv must be given together")
     if data is None:
         return
-    for part, t in (("data", data), ("scale_inv", scale_inv)):
-        if not isinstance(t, torch.Tensor) or isinstance(t, Float8BlockwiseQTensor):
-            raise TypeError(f"{name}_{part} must be a plain torch.Tensor, got {type(t).__name__}")
     if data.dtype != fp8_dtype:
         raise TypeError(f"{name}_data must have dtype {fp8_dtype}, got {data.dtype}")
     if tuple(data.shape) != data_shape:
@@ -145,9 +142,10 @@ class Float8BlockwiseQTensor(torch.Tensor):
                 check_bool(flag, name)
         if rowwise_data is None and columnwise_data is None:
             raise ValueError("Float8BlockwiseQTensor needs rowwise or columnwise data")
-        for name, data in (("rowwise_data", rowwise_data), ("columnwise_data", columnwise_data)):
-            if data is not None and not isinstance(data, torch.Tensor):
-                raise TypeError(f"{name} must be a plain torch.Tensor, got {type(data).__name__}")
+        for name, t in (("rowwise_data", rowwise_data), ("rowwise_scale_inv", rowwise_scale_inv),
+                        ("columnwise_data", columnwise_data), ("columnwise_scale_inv", columnwise_scale_inv)):
+            if t is not None and (not isinstance(t, torch.Tensor) or isinstance(t, Float8BlockwiseQTensor)):
+                raise TypeError(f"{name} must be a plain torch.Tensor, got {type(t).__name__}")
         device = (rowwise_data if rowwise_data is not None else columnwise_data).device
         k = shape[-1]
         m = math.prod(shape[:-1])
