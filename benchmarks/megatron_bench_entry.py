@@ -124,16 +124,16 @@ def run_facts(model: list, optimizer) -> dict:
     main_grads = {str(p.main_grad.dtype) for p in model[0].parameters() if getattr(p, "main_grad", None) is not None}
     args = get_args()
     fusion = bool(args.gradient_accumulation_fusion)
-    experts = bool(getattr(args, "moe_fp8_flow_gradient_accumulation_fusion", False)) and not fusion
+    experts_fused = fusion or bool(getattr(args, "moe_fp8_flow_gradient_accumulation_fusion", False))
     te = sys.modules.get("transformer_engine")
     dtypes = "/".join(sorted(main_grads))
     return dict(optimizer=optimizer_description(optimizer),
                 grad_accumulation=(f"fused: TE's linears and FP8-Flow's experts add wgrads into main_grad ({dtypes}), "
                                    "other parameters' .grad added by DDP's hooks" if fusion else
                                    f"experts fused: FP8-Flow's experts add wgrads into main_grad ({dtypes}), the "
-                                   "other parameters' .grad added by DDP's hooks" if experts else
+                                   "other parameters' .grad added by DDP's hooks" if experts_fused else
                                    f"unfused: autograd's .grad added into main_grad ({dtypes}) by DDP's hooks"),
-                gradient_accumulation_fusion=fusion, moe_fp8_flow_gradient_accumulation_fusion=experts or fusion,
+                gradient_accumulation_fusion=fusion, moe_fp8_flow_gradient_accumulation_fusion=experts_fused,
                 attention="; ".join(attention),
                 transformer_engine=getattr(te, "__version__", "installed") if te else "absent")
 
