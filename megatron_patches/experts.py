@@ -355,7 +355,7 @@ def _graphed_block(block, config):
 
 def _graph_pool(config):
     """The ``GraphPool`` of every FP8-Flow layer built from ``config`` (one model), kept on it: the layers' graphs
-    are captured in the order they replay, forwards in layer order, backwards in reverse, at their first
+    are captured together in the order they replay, forwards in layer order, backwards in reverse, at the second
     micro-batch, so one graph's temporaries serve the next instead of each layer keeping its own."""
     from transformer_engine_moe.module import GraphPool
 

@@ -97,8 +97,8 @@ def test_gpu_replays_equal_eager_over_steps(case):
                 assert torch.equal(a, b), (s, m, how, i)
             if m == 0:
                 outputs.append(got[0])
-            # the first backward ran eagerly; its graph was captured at the next call, before that forward
-            assert (graphed._captured.backward_graph is None) == (s == m == 0), (s, m)
+            # the first micro-batch ran eagerly; the graphs were captured at the next call, before its forward
+            assert graphed.captured == ((s, m) != (0, 0)), (s, m)
             assert len(fired[0]) == len(fired[1]) == (params if grads != "grad" else 0)  # DDP's hooks, once each
             fired[0].clear(), fired[1].clear()
         assert graphed.captured
@@ -126,10 +126,11 @@ def test_gpu_refusals_after_capture():
     graphed, eager, _ = pair()
     x, dy = inputs(1)
     probs, routing_map = router_output(2)
-    step(graphed, x, probs, routing_map, dy, True)
+    step(graphed, x, probs, routing_map, dy, True)  # eagerly
     with pytest.raises(ValueError, match=r"hidden must be torch.bfloat16 \[256, 512\] on cuda:0 as when the graphs "
                                          r"were captured, got torch.bfloat16 \[128, 512\]"):
         graphed(x[:128], probs[:128], routing_map[:128])
+    assert graphed.captured  # at that call, before its inputs were checked
     # one micro-batch in flight: the first forward's activations are gone once a second one replayed
     first = graphed(x.requires_grad_(), probs, routing_map, is_first_microbatch=False)
     second = graphed(x, probs, routing_map, is_first_microbatch=False)
@@ -167,13 +168,16 @@ def test_bad_arguments(make, exc, match):
 
 
 def test_graph_pool_names_what_it_cannot_take():
-    """Issue 41's probe: ``defer`` once stored anything (an AttributeError at the next capture), and ``handle()``
-    without a GPU raised torch's "dummy base class" error."""
+    """Issue 41's probe: the pool once stored anything (an AttributeError at the next capture), and without a GPU
+    raised torch's "dummy base class" error."""
+    pool = GraphPool()
     with pytest.raises(TypeError, match="graphed must be a GraphedFP8FlowMoE, got int"):
-        GraphPool().defer(3)
+        pool.register(3)
+    pool.capture_pending()  # nothing registered: nothing to do, GPU or not
     if not torch.cuda.is_available():
+        pool.register(GraphedFP8FlowMoE(_block(), pool))
         with pytest.raises(RuntimeError, match="a CUDA graph memory pool needs a CUDA GPU"):
-            GraphPool().handle()
+            pool.capture_pending()
 
 
 def test_cpu_training_call_is_refused_and_evaluation_runs_eagerly():
@@ -193,22 +197,21 @@ def test_cpu_training_call_is_refused_and_evaluation_runs_eagerly():
     assert not graphed.captured
 
 
-def test_deferred_backward_captures_run_in_order_and_never_inside_a_backward():
-    """The pool captures the backward graphs its blocks' eager first backwards deferred, in the order those ran
-    (the order they replay), each once, at the next training call: never while autograd's backward runs (a
-    forward re-run inside it), where the engine could run other ready nodes inside the capture."""
-
-    class Block:
-        def __init__(self, name, captured):
-            self.name, self.captured = name, captured
-
-        def _capture_backward(self):
-            self.captured.append(self.name)
-
-    captured, pool = [], GraphPool()
-    second, first = Block("layer 2", captured), Block("layer 1", captured)
-    for block in (second, first, second):  # backward runs the last layer first; a second deferral is one
-        pool.defer(block)
+def test_pending_captures_run_in_replay_order_and_never_inside_a_backward(monkeypatch):
+    """The pool captures the blocks that ran their first training call, all at once, as
+    ``make_graphed_callables``: warm-ups, then forwards in the order the blocks first ran, then backwards in
+    reverse (the order they replay), into one memory pool; each block once; never while autograd's backward runs
+    (a forward re-run inside it), where the engine could run other ready nodes inside the capture."""
+    log, pool = [], GraphPool()
+    blocks = [GraphedFP8FlowMoE(_block(), pool) for _ in range(2)]
+    for i, graphed in enumerate(blocks):
+        graphed._warm_up = lambda i=i: log.append(("warm-up", i))
+        graphed._capture_forward = lambda handle, i=i: log.append(("forward", i, handle))
+        graphed._capture_backward = lambda handle, i=i: log.append(("backward", i, handle))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool 1")
+    for graphed in (blocks[0], blocks[1], blocks[0]):  # a second registration of one block is one
+        pool.register(graphed)
 
     class CallInBackward(torch.autograd.Function):
         @staticmethod
@@ -217,12 +220,13 @@ def test_deferred_backward_captures_run_in_order_and_never_inside_a_backward():
 
         @staticmethod
         def backward(ctx, grad):
-            pool.capture_deferred()
+            pool.capture_pending()
             return grad
 
     CallInBackward.apply(torch.ones(2, requires_grad=True)).sum().backward()
-    assert captured == []
-    pool.capture_deferred()
-    assert captured == ["layer 2", "layer 1"]
-    pool.capture_deferred()
-    assert captured == ["layer 2", "layer 1"]
+    assert log == []
+    pool.capture_pending()
+    assert log == [("warm-up", 0), ("warm-up", 1), ("forward", 0, "pool 1"), ("forward", 1, "pool 1"),
+                   ("backward", 1, "pool 1"), ("backward", 0, "pool 1")]
+    pool.capture_pending()
+    assert len(log) == 6

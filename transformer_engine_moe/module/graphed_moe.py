@@ -10,10 +10,18 @@ inputs into static buffers and launches one graph, in forward and again in backw
     out = graphed(hidden, probs, routing_map, is_first_microbatch=True)   # as block(hidden, probs, routing_map)
     out.backward(grad)
 
-Three graphs per block, made at its first training call (module in training mode, grad enabled; other calls,
-e.g. evaluation, run the block eagerly) after two eager warm-up steps on a side stream with zero output
-gradients (a first micro-batch's path, then a later one's: kernels compiled, the address tables the kernels
-read built; with ``main_grad`` fusion the warm-up adds zeros into ``main_grad``):
+Three graphs per block. Its first training call (module in training mode, grad enabled; other calls, e.g.
+evaluation, always run the block eagerly) runs eagerly, forward and backward, and keeps a copy of its inputs; at its
+second training call the pool captures the graphs of every block that ran so, as
+``torch.cuda.make_graphed_callables`` does for its callables: two eager warm-up steps each on a side stream with
+zero output gradients (a first micro-batch's path, then a later one's: kernels compiled, the address tables the
+kernels read built; with ``main_grad`` fusion the warm-up adds zeros into ``main_grad``), then the weights and
+forward graphs in the order the blocks were first called, then the backward graphs in reverse: the order Megatron
+replays them (layers forward, then backward from the last). So every capture runs in a forward, outside autograd's
+backward: a capture inside it (a reentrant ``torch.autograd.grad``) let the autograd engine run the surrounding
+backward's ready nodes on the capturing thread, recording them into the graph (with DDP's overlapped gradient
+reduction, its collectives broke the capture: ``cudaErrorStreamCaptureImplicit``). A call inside a backward (a
+forward re-run by Megatron's full recompute) runs eagerly and captures nothing.
 
 - weights: fc1's and fc2's FP8 weights quantized into static buffers, the FP8 weight cache, by TE's
   ``is_first_microbatch`` rule: replayed when it is True or None and after ``reset_fp8_weight_cache``; False
@@ -22,12 +30,6 @@ read built; with ``main_grad`` fusion the warm-up adds zeros into ``main_grad``)
 - forward: ``block(hidden, probs, routing_map, is_first_microbatch=False)`` on static inputs ``[T, H]``,
   ``[T, E]``, ``[T, E]`` (``T`` as at capture; with ``moe_expert`` the checkpoint's first pass);
 - backward: the gradients of ``hidden``, ``probs`` and the weights (with ``moe_expert`` the rerun inside).
-  The first backward runs eagerly through the captured forward's autograd graph (kept), and the backward graph
-  is captured at the next training call of a block of the pool, outside autograd's backward: a capture inside
-  it (a reentrant ``torch.autograd.grad``) let the autograd engine run the surrounding backward's ready nodes
-  on the capturing thread, recording them into the graph (with DDP's overlapped gradient reduction, its
-  collectives broke the capture: ``cudaErrorStreamCaptureImplicit``). The deferred captures run in the order
-  their eager backwards ran: the order they replay.
 
 Weight gradients, as the eager block gives them:
 
@@ -51,7 +53,7 @@ needs, and what is refused:
   checked at each weights replay (RuntimeError);
 - graphs sharing one ``GraphPool`` replayed in the order they were captured (as with
   ``torch.cuda.make_graphed_callables``): Megatron's layers run forwards in layer order, then backwards in
-  reverse, every micro-batch, and captured in that order at their first micro-batch.
+  reverse, every micro-batch (no pipeline schedule interleaving micro-batches).
 """
 
 from __future__ import annotations
@@ -71,38 +73,38 @@ _INPUTS = ("hidden", "probs", "routing_map")
 
 
 class GraphPool:
-    """One CUDA-graph memory pool for the graphs of several ``GraphedFP8FlowMoE``s captured and replayed in one
-    order (a model's layers), as ``torch.cuda.make_graphed_callables`` shares one across its callables: memory a
+    """The captures of several ``GraphedFP8FlowMoE``s replayed in one order (a model's layers), made together
+    into one CUDA-graph memory pool, as ``torch.cuda.make_graphed_callables`` does for its callables: memory a
     graph frees during its capture serves the graphs captured after it, instead of every layer keeping its own
-    temporaries. Made at the first capture (it needs CUDA). It also holds the backward captures deferred by the
-    blocks' first (eager) backwards, in the order those ran."""
+    temporaries. It holds the blocks that ran their first training call eagerly, in the order they ran."""
 
     def __init__(self):
-        self._handle = None
-        self._deferred: list = []
+        self._pending: list = []
 
-    def handle(self):
-        if self._handle is None:
-            if not torch.cuda.is_available():  # torch's own error here names a "dummy base class"
-                raise RuntimeError("GraphPool.handle(): a CUDA graph memory pool needs a CUDA GPU, and torch sees none")
-            self._handle = torch.cuda.graph_pool_handle()
-        return self._handle
-
-    def defer(self, graphed: "GraphedFP8FlowMoE") -> None:
-        """``graphed``'s backward graph is to be captured at the next ``capture_deferred``."""
-        if not callable(getattr(graphed, "_capture_backward", None)):  # once an AttributeError at the capture
+    def register(self, graphed: "GraphedFP8FlowMoE") -> None:
+        """``graphed`` ran its first training call: its graphs are made at the next ``capture_pending``."""
+        if not isinstance(graphed, GraphedFP8FlowMoE):  # once an AttributeError at the capture
             raise TypeError(f"graphed must be a GraphedFP8FlowMoE, got {type(graphed).__name__}")
-        if graphed not in self._deferred:
-            self._deferred.append(graphed)
+        if graphed not in self._pending:
+            self._pending.append(graphed)
 
-    def capture_deferred(self) -> None:
-        """Capture the deferred backward graphs, in the order their eager backwards ran; nothing while autograd's
-        backward runs (a forward re-run inside it, e.g. Megatron's full recompute), where its other ready nodes
-        could run inside the capture."""
-        if torch._C._current_graph_task_id() != -1:
+    def capture_pending(self) -> None:
+        """The registered blocks' graphs, into a new memory pool: their warm-ups, their weights and forward graphs
+        in the order they registered, their backward graphs in reverse (the order they replay). Nothing while
+        autograd's backward runs (a forward re-run inside it, e.g. Megatron's full recompute), where its other
+        ready nodes could run inside the capture."""
+        if torch._C._current_graph_task_id() != -1 or not self._pending:
             return
-        while self._deferred:
-            self._deferred.pop(0)._capture_backward()
+        if not torch.cuda.is_available():  # torch's own error here names a "dummy base class"
+            raise RuntimeError("GraphPool: a CUDA graph memory pool needs a CUDA GPU, and torch sees none")
+        blocks, self._pending = self._pending, []
+        for graphed in blocks:
+            graphed._warm_up()
+        pool = torch.cuda.graph_pool_handle()
+        for graphed in blocks:
+            graphed._capture_forward(pool)
+        for graphed in reversed(blocks):
+            graphed._capture_backward(pool)
 
 
 @dataclasses.dataclass(slots=True)
@@ -123,7 +125,7 @@ class _Captured:
     output: torch.Tensor
     addresses: list[int]
     tables: list[torch.Tensor]
-    pending_output: Optional[torch.Tensor] = None  # the captured forward's output, until the backward's capture
+    graph_root: Optional[torch.Tensor] = None  # the captured forward's output, until the backward's capture
     backward_graph: Optional[torch.cuda.CUDAGraph] = None
     grad_output: Optional[torch.Tensor] = None
     grads: tuple = ()  # static gradients: hidden, probs (and the weights', without main_grad)
@@ -154,13 +156,14 @@ class GraphedFP8FlowMoE:
         self.block, self.pool = block, pool or GraphPool()
         self.accumulate_into_main_grad = accumulate_into_main_grad
         self._captured: Optional[_Captured] = None
+        self._sample: Optional[tuple] = None  # the first training call's inputs (copies), until the capture
         self._weights_current = False  # the weights graph's last replay holds the current weights
         self._generation = 0  # forward replays so far
         self._awaiting_backward: Optional[int] = None  # the generation whose saved activations the pool holds
 
     @property
     def captured(self) -> bool:
-        """Whether the graphs exist (after the first training call)."""
+        """Whether the graphs exist (after the second training call of a block of the pool)."""
         return self._captured is not None
 
     def reset_fp8_weight_cache(self) -> None:
@@ -173,45 +176,57 @@ class GraphedFP8FlowMoE:
     def __call__(self, hidden: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor,
                  is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``hidden [T, H]`` BF16/FP32, the router's ``probs [T, E]`` and ``routing_map [T, E]`` bool -> ``[T, H]``
-        (``FP8FlowMoE.forward``). In training with grad enabled from the graphs (captured at the first such
-        call); otherwise eagerly."""
+        (``FP8FlowMoE.forward``). In training with grad enabled from the graphs (the first such call eagerly, the
+        graphs captured at the second); otherwise eagerly."""
         if not (self.block.training and torch.is_grad_enabled()):
             return self.block(hidden, probs, routing_map, is_first_microbatch)
         if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
-        self.pool.capture_deferred()
         if self._captured is None:
-            self._captured = self._capture(hidden, probs, routing_map)
-        else:
-            self._check_inputs(hidden, probs, routing_map)
+            if self._sample is not None:  # a second training call: capture the pool's blocks, this one included
+                self.pool.capture_pending()
+            if self._captured is None:  # the first training call (or one inside a backward): eagerly
+                if self._sample is None:
+                    _check_capturable(hidden, probs, routing_map)
+                    self._sample = (hidden.detach().clone(), probs.detach().clone(), routing_map.detach().clone())
+                    self.pool.register(self)
+                return self.block(hidden, probs, routing_map, is_first_microbatch)
+        self._check_inputs(hidden, probs, routing_map)
         if is_first_microbatch is not False or not self._weights_current:
             self._replay_weights()
         self._weights_current = is_first_microbatch is not None
         return _Replay.apply(self, hidden, probs, routing_map, *self._captured.params)
 
-    # ------------------------------------------------------------------ capture
-    def _capture(self, hidden, probs, routing_map) -> _Captured:
-        """Warm up, then capture the weights and forward graphs (the backward graph waits for the first
-        backward to run eagerly: graphs sharing a pool must be captured in the order they replay)."""
-        _check_capturable(hidden, probs, routing_map)
-        block = self.block
-        inputs = (hidden.detach().clone(), probs.detach().clone(), routing_map.detach().clone())
+    # ------------------------------------------------------------------ capture (GraphPool.capture_pending)
+    def _leaves(self) -> tuple:
+        """Autograd leaves over the first call's inputs (the static input buffers from now on): the same memory
+        with version counters of their own, so the replays' copies into the buffers do not invalidate what the
+        captured forward saved; and the weights autograd sees."""
+        inputs = self._sample
         leaves = (inputs[0].data.requires_grad_(), inputs[1].data.requires_grad_(), inputs[2].data)
-        params = [p for p in block.parameters() if p.requires_grad]
-        linears = (block.linear_fc1, block.linear_fc2)
-        fused = block.linear_fc1.fuse_wgrad_accumulation
-        main_grad = fused or (self.accumulate_into_main_grad and bool(params) and
-                              all(getattr(p, "main_grad", None) is not None for p in params))
+        return leaves, [p for p in self.block.parameters() if p.requires_grad]
+
+    def _warm_up(self) -> None:
+        """Two eager steps on a side stream, on the first call's inputs."""
+        leaves, params = self._leaves()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for first in WARMUP:
-                out = block(*leaves, is_first_microbatch=first)
+                out = self.block(*leaves, is_first_microbatch=first)
                 torch.autograd.grad(out, [*leaves[:2], *params], torch.zeros_like(out))
             del out
         torch.cuda.current_stream().wait_stream(side)
+
+    def _capture_forward(self, pool) -> None:
+        """The weights and forward graphs; the forward's autograd graph is kept for ``_capture_backward``."""
+        (leaves, params), inputs, self._sample = self._leaves(), self._sample, None
+        block = self.block
+        linears = (block.linear_fc1, block.linear_fc2)
+        main_grad = block.linear_fc1.fuse_wgrad_accumulation or (
+            self.accumulate_into_main_grad and bool(params) and
+            all(getattr(p, "main_grad", None) is not None for p in params))
         tables = [t for lin in linears for t in lin.address_tables()]
-        pool = self.pool.handle()
         weights_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(weights_graph, pool=pool, capture_error_mode="thread_local"):
             block.prefetch_fp8_weights(True)
@@ -220,35 +235,29 @@ class GraphedFP8FlowMoE:
         forward_graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode="thread_local"):
             out = block(*leaves, is_first_microbatch=False)
-        return _Captured(inputs=inputs, leaves=leaves, params=params, main_grad=main_grad,
-                         weights_graph=weights_graph, forward_graph=forward_graph, caches=caches,
-                         output=out.detach(), addresses=_addresses(params, main_grad), tables=tables,
-                         pending_output=out)
+        self._captured = _Captured(inputs=inputs, leaves=leaves, params=params, main_grad=main_grad,
+                                   weights_graph=weights_graph, forward_graph=forward_graph, caches=caches,
+                                   output=out.detach(), addresses=_addresses(params, main_grad), tables=tables,
+                                   graph_root=out)
 
-    def _capture_backward(self) -> None:
-        """The backward graph, from the captured forward's autograd graph (consumed here); called outside
-        autograd's backward (``GraphPool.capture_deferred``)."""
+    def _capture_backward(self, pool) -> None:
+        """The backward graph, through the captured forward's autograd graph (consumed): the gradients of
+        ``hidden`` and ``probs``, the weights' added into their ``main_grad`` (what DDP's hook adds from ``.grad``:
+        same dtypes, same sums; the block's own fused accumulation adds them itself) or returned after those two."""
         c = self._captured
         c.grad_output = torch.empty_like(c.output)
         c.backward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(c.backward_graph, pool=self.pool.handle(), capture_error_mode="thread_local"):
-            c.grads = self._gradients(c, c.grad_output, retain_graph=False)
-        c.pending_output = None
-
-    def _gradients(self, c: _Captured, grad_output: torch.Tensor, retain_graph: bool) -> tuple:
-        """Through the captured forward's autograd graph: the gradients of ``hidden`` and ``probs``, the weights'
-        added into their ``main_grad`` (what DDP's hook adds from ``.grad``: same dtypes, same sums; the block's
-        own fused accumulation adds them itself) or returned after those two."""
-        self._install_caches(c)  # what a moe_expert rerun reads
-        grads = torch.autograd.grad(c.pending_output, [*c.leaves[:2], *c.params], grad_output,
-                                    retain_graph=retain_graph)
-        if c.main_grad and not self.block.linear_fc1.fuse_wgrad_accumulation:
-            main_grads = [p.main_grad for p in c.params]
-            if _accumulates_into_main_grad(c.params):
-                torch._foreach_add_(main_grads, list(grads[2:]))
-            else:
-                torch._foreach_copy_(main_grads, list(grads[2:]))
-        return grads[:2] if c.main_grad else grads
+        with torch.cuda.graph(c.backward_graph, pool=pool, capture_error_mode="thread_local"):
+            self._install_caches(c)  # what a moe_expert rerun reads
+            grads = torch.autograd.grad(c.graph_root, [*c.leaves[:2], *c.params], c.grad_output)
+            if c.main_grad and not self.block.linear_fc1.fuse_wgrad_accumulation:
+                main_grads = [p.main_grad for p in c.params]
+                if _accumulates_into_main_grad(c.params):
+                    torch._foreach_add_(main_grads, list(grads[2:]))
+                else:
+                    torch._foreach_copy_(main_grads, list(grads[2:]))
+            c.grads = grads[:2] if c.main_grad else grads
+        c.graph_root = None
 
     # ------------------------------------------------------------------ replay
     def _check_inputs(self, hidden, probs, routing_map) -> None:
@@ -292,13 +301,9 @@ class GraphedFP8FlowMoE:
                                "one micro-batch in flight: a forward, then its backward, before the next forward (no "
                                "pipeline schedules, no forward re-run in backward)")
         self._awaiting_backward = None
-        if c.backward_graph is None:  # eagerly, keeping the autograd graph for the deferred capture
-            grads = self._gradients(c, grad, retain_graph=True)
-            self.pool.defer(self)
-        else:
-            c.grad_output.copy_(grad)
-            c.backward_graph.replay()
-            grads = c.grads
+        c.grad_output.copy_(grad)
+        c.backward_graph.replay()
+        grads = c.grads
         if not c.main_grad:
             return grads
         for p in c.params:
