@@ -350,6 +350,7 @@ def main(argv=None):
     rows = {(r["config"], r["variant"]): r for r in kept}
     runs, profiles = {variant: [] for variant in args.variants}, {}
     began_call, longest, path, profile_path = time.perf_counter(), 0.0, None, None
+    call = call_stamp()  # the rows this call measures, and their stand-in
     plan = [(v, False) for _ in range(args.repeats) for v in args.variants]
     for variant, profiling in plan + [(v, True) for v in args.variants if args.profile]:
         if args.time_budget and time.perf_counter() - began_call + longest > args.time_budget:
@@ -369,7 +370,7 @@ def main(argv=None):
         status, out = run(cmd, args.run_timeout)
         wall = time.perf_counter() - began
         longest = max(longest, wall)
-        row = dict(config=args.config, variant=variant, status=status, device=gpu["device"], wall_s=wall,
+        row = dict(config=args.config, variant=variant, status=status, call=call, device=gpu["device"], wall_s=wall,
                    layers=layers, micro_batch_size=mbs, micro_batches=args.micro_batches, iters=args.train_iters,
                    num_experts=config.num_experts(gpus),
                    allocator=" ".join(f"{k}={os.environ[k]}" for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
@@ -385,34 +386,45 @@ def main(argv=None):
         print(profile_path.read_text())
 
 
+def call_stamp() -> str:
+    """When this call began (UTC, to the second): the ``call`` of the rows it measures."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+
+
 def write(table: str, rows: list[dict], env: dict) -> pathlib.Path:
     """``rows`` -> ``bench_megatron_pretrain_{table}`` .json / .md / .png under benchmarks/results,
-    each row with its tokens/s against the stand-in's of its config (``vs_bf16_grouped_mm``); the .md path."""
-    stand_in = {r["config"]: r.get("tokens_per_s_per_gpu") for r in rows if r["variant"] == "bf16_grouped_mm"}
+    each row with its tokens/s against the stand-in's of its config measured by the same call
+    (``vs_bf16_grouped_mm``; a row kept from a call whose stand-in a later call replaced keeps the ratio its call
+    gave it; None where its call ran no stand-in); the .md path."""
+    stand_in = {(r["config"], r.get("call")): r.get("tokens_per_s_per_gpu") for r in rows
+                if r["variant"] == "bf16_grouped_mm"}
     for r in rows:
-        base = stand_in.get(r["config"])
-        r["vs_bf16_grouped_mm"] = r["tokens_per_s_per_gpu"] / base if base and r.get("tokens_per_s_per_gpu") else None
+        base = stand_in.get((r["config"], r.get("call")))
+        if base:  # else the ratio its own call gave it (None where that call measured no stand-in)
+            r["vs_bf16_grouped_mm"] = r["tokens_per_s_per_gpu"] / base if r.get("tokens_per_s_per_gpu") else None
+        r.setdefault("vs_bf16_grouped_mm", None)
     columns = ["config", "variant", "status", "layers", "micro_batch_size", "micro_batches", "tokens_per_s_per_gpu",
-               "vs_bf16_grouped_mm", "tokens_per_s_spread", "repeats", "iter_ms", "max_allocated_mib",
+               "vs_bf16_grouped_mm", "tokens_per_s_spread", "repeats", "call", "iter_ms", "max_allocated_mib",
                "activation_mib_per_moe_layer", "step_activation_peak_mib", "max_micro_batch", "alloc_retries",
                "wall_s", "attention", "optimizer", "grad_accumulation", "experts", "error"]
     notes = (
         f"EP = {env['gpus']} GPUs; {env['path']}; mock data, sequence {SEQ}. Each iteration: `micro_batches` "
         f"micro-batches of `micro_batch_size` sequences per GPU, then one optimizer step; the first "
         f"{env['warmup_iters']} iterations untimed (`iter_ms_each`: every iteration's time). "
-        "`tokens_per_s_per_gpu`, `iter_ms`: medians over the row's `repeats` runs (the variants "
-        "interleaved in one call); `tokens_per_s_spread`: (max - min) / median; `vs_bf16_grouped_mm`: against the "
-        "stand-in's median. `max_allocated_mib`: Megatron's report after the first iteration (its optimizer step "
-        "included). Measured inside Megatron's step in each variant's first run only (the other repeats run "
-        "without probes): `activation_mib_per_moe_layer`: on the second micro-batch of the second iteration, per "
-        "MoE layer, memory allocated when its forward returned minus when it started, less its output's bytes "
-        "(what the layer keeps for backward), averaged over the MoE layers; `step_activation_peak_mib`: the most "
-        "allocated during that micro-batch's forward and backward minus what was allocated before it; "
-        "`max_micro_batch`: after the timed iterations (parameters, main grads and optimizer state held), the "
-        "largest micro-batch size (sequences) whose forward and backward ran without running out of memory, by "
-        "doubling from `micro_batch_size` then bisection, capped (`max_micro_batch_capped`: the cap trained). "
-        "`attention`, `optimizer`, `grad_accumulation`: what the run reported it ran. Commands: the `command` "
-        "field of each row in the JSON; docs/megatron.md.")
+        "`tokens_per_s_per_gpu`, `iter_ms`: medians over the row's `repeats` runs (the variants interleaved in one "
+        "call); `tokens_per_s_spread`: (max - min) / median; `call`: when the call that measured the row began (a "
+        "later call keeps the rows of the variants it did not run); `vs_bf16_grouped_mm`: against the median of the"
+        " stand-in that call measured. `max_allocated_mib`: Megatron's report after the first iteration (its "
+        "optimizer step included). Measured inside Megatron's step in each variant's first run only (the other "
+        "repeats run without probes): `activation_mib_per_moe_layer`: on the second micro-batch of the second "
+        "iteration, per MoE layer, memory allocated when its forward returned minus when it started, less its "
+        "output's bytes (what the layer keeps for backward), averaged over the MoE layers; "
+        "`step_activation_peak_mib`: the most allocated during that micro-batch's forward and backward minus what "
+        "was allocated before it; `max_micro_batch`: after the timed iterations (parameters, main grads and "
+        "optimizer state held), the largest micro-batch size (sequences) whose forward and backward ran without "
+        "running out of memory, by doubling from `micro_batch_size` then bisection, capped "
+        "(`max_micro_batch_capped`: the cap trained). `attention`, `optimizer`, `grad_accumulation`: what the run "
+        "reported it ran. Commands: the `command` field of each row in the JSON; docs/megatron.md.")
     path = utils.write_results(f"bench_megatron_pretrain_{table}",
                                f"Megatron pretrain at EP={env['gpus']}: BF16 grouped stand-in vs FP8-Flow",
                                env, {}, rows, columns, notes=notes,

@@ -402,3 +402,28 @@ def test_without_profile_no_profile_runs(tmp_path, monkeypatch):
     bench.main(["--variants", "bf16_grouped_mm", "--repeats", "1"])
     assert order == [("bf16_grouped_mm", True)]
     assert not list(tmp_path.glob("*_profile*"))
+
+
+def test_a_rows_ratio_is_against_the_stand_in_of_its_own_call(tmp_path, monkeypatch):
+    """A later call keeps the rows of the variants it did not run, with the ratio to the stand-in their own call
+    measured, not to the new one; a call that runs no stand-in gives its rows no ratio."""
+    (tmp_path / "bench_megatron_pretrain_qwen3_moe_like_ep1.json").write_text(json.dumps({"results": [
+        dict(config="qwen3_moe_like", variant="bf16_grouped_mm", call="earlier", tokens_per_s_per_gpu=50.0,
+             vs_bf16_grouped_mm=1.0),
+        dict(config="qwen3_moe_like", variant="fp8_flow", call="earlier", tokens_per_s_per_gpu=60.0,
+             vs_bf16_grouped_mm=1.2)]}))
+    _fake_machine(monkeypatch, tmp_path, {"bf16_grouped_mm": [100.0], "fp8_flow_single_weight": [130.0]})
+    monkeypatch.setattr(bench, "call_stamp", lambda: "second")
+    bench.main(["--variants", "bf16_grouped_mm", "fp8_flow_single_weight", "--repeats", "1"])
+    path = tmp_path / "bench_megatron_pretrain_qwen3_moe_like_ep1.json"
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["results"]}
+    assert rows["fp8_flow"]["call"] == "earlier" and rows["fp8_flow"]["vs_bf16_grouped_mm"] == pytest.approx(1.2)
+    assert rows["fp8_flow_single_weight"]["call"] == rows["bf16_grouped_mm"]["call"] == "second"
+    assert rows["fp8_flow_single_weight"]["vs_bf16_grouped_mm"] == pytest.approx(1.3)
+    _fake_machine(monkeypatch, tmp_path, {"bf16_grouped_mm": [100.0], "fp8_flow_single_weight": [90.0]})
+    monkeypatch.setattr(bench, "call_stamp", lambda: "third")
+    bench.main(["--variants", "fp8_flow_single_weight", "--repeats", "1"])
+    rows = {r["variant"]: r for r in json.loads(path.read_text())["results"]}
+    third = rows["fp8_flow_single_weight"]
+    assert third["call"] == "third" and third["vs_bf16_grouped_mm"] is None
+    assert rows["fp8_flow"]["vs_bf16_grouped_mm"] == pytest.approx(1.2)

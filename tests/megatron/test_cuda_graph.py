@@ -50,7 +50,8 @@ REFUSED = {  # setting -> (value, the flag and value named, why)
     "fine_grained_activation_offloading": (True, "--fine-grained-activation-offloading (got True; expected it "
                                                  "unset)", "moves saved tensors to the host"),
     "overlap_param_gather": (True, "--overlap-param-gather (got True; expected it unset)", "forward pre-hooks"),
-    "overlap_grad_reduce": (True, "--overlap-grad-reduce (got True; expected it unset)", "cudaErrorStreamCaptureImplicit"),
+    "overlap_grad_reduce": (True, "--overlap-grad-reduce (got True; expected it unset)",
+                            "cudaErrorStreamCaptureImplicit"),
 }
 
 
