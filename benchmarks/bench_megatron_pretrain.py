@@ -84,6 +84,9 @@ import utils
 from megatron_configs import CONFIGS, SEQ, layers_that_fit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # examples/ runs from the checkout (not installed)
+from examples import megatron_log  # noqa: E402  (Megatron's log lines, parsed)
+
 ENTRY = str(ROOT / "benchmarks" / "megatron_bench_entry.py")
 COMMON = ("--bf16 --swiglu --disable-bias-linear --moe-grouped-gemm --moe-router-topk 8 --moe-aux-loss-coeff 1e-3 "
           "--moe-router-dtype fp32 "
@@ -169,9 +172,6 @@ def command(config: str, variant: str, gpus: int, iters: int, layers: int, micro
 # an H200 run timing the second iteration on gave FP8-Flow 0.58x the stand-in at qwen3_moe_like, the block
 # alone 1.36x), the second what the first left.
 WARMUP_ITERS = 2
-ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*elapsed time per iteration \(ms\): ([\d.]+) .*lm loss: ([\d.E+-]+)")
-MEM = re.compile(r"max allocated: ([\d.]+)")
-ALLOCATOR = re.compile(r"allocator \(rank \d+\): retries (\d+), reserved peak ([\d.]+) MiB")  # examples.pretrain_gpt
 ERROR = re.compile(r"^\s*(?:\[rank\d+\]: )?[\w.]*(?:Error|Exception): .*$", re.M)  # an exception's message line
 PROBE_FIELDS = ("activation_mib_per_moe_layer", "activation_mib_moe_layers", "step_activation_peak_mib",
                 "probed_micro_batch", "activation_probe_note", "max_micro_batch", "max_micro_batch_capped",
@@ -195,23 +195,23 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int, warmup: int = WARMUP_I
     the first ``warmup``, ``iter_ms_each``: every logged iteration's, max allocated MiB, final loss, loss
     curve), its ``experts:`` line, the caching allocator's retries and reserved peak (the most of any rank; None
     without reports) and the entry's ``bench:`` facts and probe values."""
-    logged = [(int(i), float(ms), float(loss)) for i, ms, loss in ITER.findall(text)]
+    logged = [(it.iteration, it.ms, it.loss) for it in megatron_log.iterations(text)]
     if not logged:
         raise ValueError("no 'iteration ... lm loss' lines in the log")
     steady = [ms for i, ms, _ in logged if i > warmup] or [ms for _, ms, _ in logged]
     tail = logged[-max(1, len(logged) // 4):]
     iter_ms = sum(steady) / len(steady)
-    experts = [line.strip() for line in text.splitlines() if line.strip().startswith("experts: ")]
-    allocator = [(int(r), float(mib)) for r, mib in ALLOCATOR.findall(text)]
-    return dict(alloc_retries=max(r for r, _ in allocator) if allocator else None,
-                reserved_peak_mib=max(m for _, m in allocator) if allocator else None,
+    allocator = megatron_log.allocator_reports(text)
+    max_allocated = megatron_log.max_allocated_mib(text)
+    return dict(alloc_retries=max(r.retries for r in allocator) if allocator else None,
+                reserved_peak_mib=max(r.reserved_peak_mib for r in allocator) if allocator else None,
                 tokens_per_s_per_gpu=tokens_per_iter / iter_ms * 1e3 / gpus, iter_ms=iter_ms,
                 iter_ms_each=[ms for _, ms, _ in logged],
                 timed_iters=len(steady),
-                max_allocated_mib=max((float(m) for m in MEM.findall(text)), default=float("nan")),
+                max_allocated_mib=float("nan") if max_allocated is None else max_allocated,
                 final_loss=sum(loss for *_, loss in tail) / len(tail), curve=[loss for *_, loss in logged],
                 curve_iters=[i for i, *_ in logged],
-                experts=experts[0] if experts else "", **bench_lines(text))
+                experts=megatron_log.experts_line(text) or "", **bench_lines(text))
 
 
 def outcome(status: str, out: str, tokens_per_iter: int, gpus: int, warmup: int = WARMUP_ITERS) -> dict:

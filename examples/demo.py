@@ -31,7 +31,6 @@ import importlib.util
 import json
 import os
 import pathlib
-import re
 import subprocess
 import sys
 import textwrap
@@ -39,6 +38,8 @@ import time
 from typing import Callable
 
 import torch
+
+from . import megatron_log
 
 MODEL = ("--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 256 --num-experts 8 "
          "--moe-ffn-hidden-size 128 --moe-router-topk 2 --micro-batch-size 8 --swiglu --disable-bias-linear "
@@ -69,10 +70,6 @@ GPU_FP8_FLOW = ("--moe-fp8-flow --moe-fp8-flow-format e4m3 --fp8-recipe blockwis
 GPU_WARMUP_ITERS = 20  # untimed: Triton's (and DeepGEMM's) JIT compilation, the allocator's first growth
 GPU_PROGRESS_EVERY = 25  # iterations between the progress lines printed (the log keeps every one)
 TORCHRUN = ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "examples.pretrain_gpt")
-ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
-                       r".*?global batch size:\s*(\d+) \|.*?lm loss: ([\d.E+-]+) \|")
-MAX_ALLOCATED = re.compile(r"max allocated: ([\d.]+)")  # Megatron's report_memory, MiB, after iteration 1
-RESERVED = re.compile(r"allocator \(rank 0\): retries (\d+), reserved peak ([\d.]+) MiB")  # pretrain_gpt's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,10 +119,15 @@ def _progress(line: str, gpu: bool) -> str | None:
     lines the first and every ``GPU_PROGRESS_EVERY``-th, shortened."""
     if not gpu:
         return line.rstrip() if line.startswith("step") else None
-    m = ITERATION.search(line)
-    if m is None or (int(m[1]) % GPU_PROGRESS_EVERY and int(m[1]) != 1):
+    it = next(iter(_iterations(line)), None)
+    if it is None or (it.iteration % GPU_PROGRESS_EVERY and it.iteration != 1):
         return None
-    return f"iteration {int(m[1]):5d} | {float(m[2]):8.1f} ms | lm loss {float(m[4]):.4f}"
+    return f"iteration {it.iteration:5d} | {it.ms:8.1f} ms | lm loss {it.loss:.4f}"
+
+
+def _iterations(log: str) -> list[megatron_log.Iteration]:
+    """The log's iteration lines that give the global batch size (Megatron's all do)."""
+    return [it for it in megatron_log.iterations(log) if it.global_batch_size is not None]
 
 
 def megatron_result(log: str, seq_length: int, warmup: int = GPU_WARMUP_ITERS) -> dict:
@@ -134,19 +136,19 @@ def megatron_result(log: str, seq_length: int, warmup: int = GPU_WARMUP_ITERS) -
     iteration time after the first ``warmup`` iterations; all of them if there are no more),
     ``peak_memory_bytes`` (max allocated, Megatron's report after iteration 1), ``expert_path``, plus
     ``seconds_per_step``, ``timed_iters`` and ``reserved_peak_bytes`` (the caching allocator's, whole run)."""
-    logged = [(int(i), float(ms), int(gbs), float(loss)) for i, ms, gbs, loss in ITERATION.findall(log)]
+    logged = _iterations(log)
     if not logged:
         raise ValueError("no 'iteration ... lm loss' lines in the Megatron log")
     timed = [(ms, gbs) for i, ms, gbs, _ in logged if i > warmup] or [(ms, gbs) for _, ms, gbs, _ in logged]
     seconds = sum(ms for ms, _ in timed) / 1e3
-    allocated, reserved = MAX_ALLOCATED.findall(log), RESERVED.findall(log)
-    experts = [line.strip() for line in log.splitlines() if line.strip().startswith("experts: ")]
+    allocated = megatron_log.max_allocated_mib(log)
+    reserved = [r.reserved_peak_mib for r in megatron_log.allocator_reports(log) if r.rank == 0]
     return {"loss_curve": [loss for *_, loss in logged], "global_batch_size": logged[-1][2],
             "seq_length": seq_length, "tokens_per_s": sum(gbs for _, gbs in timed) * seq_length / seconds,
             "seconds_per_step": seconds / len(timed), "timed_iters": len(timed),
-            "peak_memory_bytes": int(max(map(float, allocated)) * 2**20) if allocated else None,
-            "reserved_peak_bytes": int(float(reserved[-1][1]) * 2**20) if reserved else None,
-            "expert_path": experts[0] if experts else "experts: (no 'experts:' line in the log)"}
+            "peak_memory_bytes": int(allocated * 2**20) if allocated is not None else None,
+            "reserved_peak_bytes": int(reserved[-1] * 2**20) if reserved else None,
+            "expert_path": megatron_log.experts_line(log) or "experts: (no 'experts:' line in the log)"}
 
 
 def _last_value(argv: list[str], flag: str) -> str:
