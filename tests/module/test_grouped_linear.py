@@ -499,11 +499,11 @@ def test_single_grouped_weight_checkpoints_load_both_ways():
         GroupedLinear(3, 128, 256).load_state_dict(one.state_dict())
 
 
-def _with_main_grads(gl, shared=False):
-    """``gl`` with a float32 ``main_grad`` on every weight: one buffer for all when ``shared``."""
-    buf = torch.zeros(gl.out_features, gl.in_features)
+def _with_main_grads(gl, shared=False, dtype=torch.float32):
+    """``gl`` with a ``main_grad`` (float32, or ``dtype``) on every weight: one buffer for all when ``shared``."""
+    buf = torch.zeros(gl.out_features, gl.in_features, dtype=dtype)
     for w in gl.weight_params:
-        w.main_grad = buf if shared else torch.zeros_like(w, dtype=torch.float32)
+        w.main_grad = buf if shared else torch.zeros_like(w, dtype=dtype)
     return gl
 
 
@@ -545,13 +545,18 @@ def _with_main_grads(gl, shared=False):
         (lambda: _with_main_grads(GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=True), shared=True),
          lambda gl: gl(torch.randn(4, 128), [2, 2]), ValueError,
          "weight0.main_grad and weight1.main_grad share memory"),
+        # BF16 main_grads never reach the wgrad op as its out (added after the GEMM): forward's check is their only one
+        (lambda: _with_main_grads(GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=True), shared=True,
+                                  dtype=torch.bfloat16),
+         lambda gl: gl(torch.randn(4, 128), [2, 2]), ValueError,
+         "weight0.main_grad and weight1.main_grad share memory"),
         (lambda: GroupedLinear(2, 128, 128, device="meta"), lambda gl: gl(torch.randn(4, 128, device="meta"), [2, 2]),
          ValueError, "got a tensor on the meta device"),
     ],
-    ids=["features", "num-gemms", "params-dtype", "in-features", "recompute-in-features", "sum", "negative", "dtype", "groups", "groups-4",
-         "recipe-str", "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad",
+    ids=["features", "num-gemms", "params-dtype", "in-features", "recompute-in-features", "sum", "negative", "dtype",
+         "groups", "groups-4", "recipe-str", "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad",
          "single-fuse-without-main-grad", "single-not-bool", "device", "weight-role-input", "fp32-scales-input",
-         "bias-str", "cache-flag-str", "transpose-str", "shared-main-grad", "meta-module"],
+         "bias-str", "cache-flag-str", "transpose-str", "shared-main-grad", "shared-bf16-main-grad", "meta-module"],
 )
 def test_bad_input_is_rejected_clearly(make, call, exc, match):
     with pytest.raises(exc, match=match):
@@ -584,6 +589,18 @@ def test_wrong_main_grad_is_named_in_forward(kind, single):
         gl(torch.randn(4, 128), [2, 2])
     with torch.no_grad():  # no backward, main_grad unread: not checked
         gl(torch.randn(4, 128), [2, 2])
+
+
+def test_main_grads_shared_after_forward_are_refused_in_backward():
+    """A buffer shared after forward's check (one for both experts) reaches the wgrad op as its out list, whose own
+    check refuses it before anything is written: why the op checks GroupedLinear's main_grads again in backward
+    (forward's check ran before the change)."""
+    gl = _with_main_grads(GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=True))
+    y = gl(torch.randn(4, 128), [2, 2])
+    _with_main_grads(gl, shared=True)
+    with pytest.raises(ValueError, match=r"out\[0\] and out\[1\] share memory"):
+        y.float().sum().backward()
+    assert not any(w.main_grad.any() for w in gl.weight_params)
 
 
 def test_init_method_must_be_callable():

@@ -375,7 +375,11 @@ class GroupedLinear(nn.Module):
     def _check_main_grads_disjoint(self, named) -> None:
         """No two weights' ``main_grad`` share memory (one buffer for two experts once had both gradients written,
         or raced, into it): checked when their addresses change, not every forward (about 15 us for 128 experts
-        against 80)."""
+        against 80). Refused here, named, before any backward, and the only check of ``main_grad``s added after
+        the GEMM (BF16/FP16 or strided: ``_wgrad_out``). Contiguous float32 ones go to the wgrad op as its
+        ``out`` list, which checks them again in backward (``check_disjoint``, about 25 us for 128): that also
+        catches buffers replaced after this forward, and skipping it soundly would need their addresses read
+        again (about 15 us)."""
         addresses = tuple(w.main_grad.data_ptr() for _, w in named)
         if addresses != self._main_grad_addresses:
             check_disjoint([w.main_grad for _, w in named], [f"{name}.main_grad" for name, _ in named])

@@ -258,10 +258,12 @@ def check_disjoint(tensors: Sequence[torch.Tensor], name: Union[str, Sequence[st
                    nbytes: Optional[int] = None) -> None:
     """Raise ValueError naming two of ``tensors`` (on one device; ``name[i]``, or the names given as a list) that
     share memory: a buffer given twice (one ``main_grad`` for two experts) once had two experts' gradients written,
-    or raced, into it silently. Host-side: contiguous tensors by their address ranges, sorted by start (an overlap
-    shows between neighbours); a strided one (whose range may interleave with another's without sharing an element)
-    by its first address only. ``nbytes``: every tensor is known contiguous and that long (a wgrad's ``out`` list),
-    so their addresses alone say it (about 25 us of host time for 128 tensors, against 80)."""
+    or raced, into it silently. The one implementation of this check: a wgrad's ``out`` list (``_check_wgrad_out``,
+    every call) and ``GroupedLinear``'s weights' ``main_grad``s (in forward) call it. Host-side: contiguous tensors
+    by their address ranges, sorted by start (an overlap shows between neighbours); a strided one (whose range may
+    interleave with another's without sharing an element) by its first address only. ``nbytes``: every tensor is
+    known contiguous and that long (a wgrad's ``out`` list), so their addresses alone say it (about 25 us of host
+    time for 128 tensors, against 80)."""
     if nbytes is not None:
         starts = sorted(t.data_ptr() for t in tensors)
         if not nbytes or all(b - a >= nbytes for a, b in zip(starts, starts[1:])):
@@ -278,8 +280,8 @@ def check_disjoint(tensors: Sequence[torch.Tensor], name: Union[str, Sequence[st
 
 
 def _check_wgrad_out(out, shape: tuple[int, int, int], device) -> Union[torch.Tensor, list, None]:
-    """``out`` validated: a contiguous float32 ``[G, N, K]``, or G contiguous float32 ``[N, K]`` (as one
-    ``[G, N, K]`` view where they lie in order, else a list)."""
+    """``out`` validated: a contiguous float32 ``[G, N, K]``, or G contiguous float32 ``[N, K]`` no two of which
+    share memory (as one ``[G, N, K]`` view where they lie in order, else a list)."""
     if out is None or isinstance(out, torch.Tensor):
         if out is not None and (out.dtype != torch.float32 or tuple(out.shape) != shape or not out.is_contiguous()
                                 or out.device != device):  # another device's out once came back unwritten
@@ -310,11 +312,11 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
     (expert-major) 128x1 columnwise copies of ``grad_output [M, N]`` and ``inp [M, K]`` (scaling-aware
     transpose with these ``m_splits``). ``out``: float32 written, or added to when ``accumulate``
     (Megatron's ``main_grad`` fusion): one ``[G, N, K]`` buffer, or a list of G ``[N, K]`` anywhere in memory
-    (each expert's ``main_grad``; DeepGEMM needs one buffer, so a list that is not one runs on cuBLAS or
-    Triton); returned as given. Without ``out``, a new tensor in ``out_dtype`` (FP32 accumulation, one
-    rounding at the end). ``num_groups``: the gradients of the first ``num_groups`` groups only (None:
-    all); one less than the groups of ``m_splits`` leaves out a trailing weightless group (``grouped_gemm``),
-    whose rows no backend reads."""
+    but no two sharing any (ValueError naming them): each expert's ``main_grad``; DeepGEMM needs one buffer, so
+    a list that is not one runs on cuBLAS or Triton. Returned as given. Without ``out``, a new tensor in
+    ``out_dtype`` (FP32 accumulation, one rounding at the end). ``num_groups``: the gradients of the first
+    ``num_groups`` groups only (None: all); one less than the groups of ``m_splits`` leaves out a trailing
+    weightless group (``grouped_gemm``), whose rows no backend reads."""
     a, a_scale = _check_act(grad_output, "grad_output", "columnwise")
     b, b_scale = _check_act(inp, "inp", "columnwise")
     if grad_output.shape[0] != inp.shape[0]:
@@ -323,8 +325,9 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
     for name, t in (("grad_output", grad_output), ("inp", inp)):
         own = t.columnwise_m_splits
         if (own is not m_splits) and not (isinstance(own, list) and own == m_splits):
-            raise ValueError(f"{name}'s columnwise copy is grouped by {own if isinstance(own, list) else 'another tensor'}"
-                             f", not by these m_splits; transpose it with the same m_splits")
+            raise ValueError(f"{name}'s columnwise copy is grouped by "
+                             f"{own if isinstance(own, list) else 'another tensor'}, not by these m_splits; "
+                             "transpose it with the same m_splits")
     if num_groups is not None:
         if type(num_groups) is not int or num_groups not in (groups, groups - 1):
             raise ValueError(f"num_groups must be None, {groups} or {groups - 1} (m_splits' groups, or one less: "
