@@ -21,7 +21,9 @@ setup(
     extras_require={
         "megatron": ["megatron-core==0.16.1; python_version < '3.12'",
                      "megatron-core>=0.19,<0.20; python_version >= '3.12'"],
-        "te": ["transformer-engine[pytorch]>=2.2"],
+        # TransformerEngine: tested with 2.20.0.dev0 (main d0067d0, docs/transformer_engine.md); its GroupedLinear
+        # takes the blockwise FP8 recipe (Float8BlockScaling, the te_blockwise baseline and the interop tests) since 2.18
+        "te": ["transformer-engine[pytorch]>=2.18"],
         # DeepGEMM's grouped FP8 GEMMs (backend "deepgemm", Hopper): module deep_gemm, built from source
         # at install time (needs the CUDA toolkit); "auto" uses it when it imports.
         "deepgemm": ["deepinfer-gemm>=2.8.2"],
