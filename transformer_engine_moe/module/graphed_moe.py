@@ -257,6 +257,7 @@ class GraphedFP8FlowMoE:
                 else:
                     torch._foreach_copy_(main_grads, list(grads[2:]))
             c.grads = grads[:2] if c.main_grad else grads
+            del grads  # the weights' gradients freed inside the capture (added into main_grad, or kept in c.grads)
         c.graph_root = None
 
     # ------------------------------------------------------------------ replay
@@ -303,12 +304,11 @@ class GraphedFP8FlowMoE:
         self._awaiting_backward = None
         c.grad_output.copy_(grad)
         c.backward_graph.replay()
-        grads = c.grads
         if not c.main_grad:
-            return grads
+            return c.grads
         for p in c.params:
             p.grad_added_to_main_grad = True
-        return (*grads, *(_placeholder_wgrad(p) for p in c.params))
+        return (*c.grads, *(_placeholder_wgrad(p) for p in c.params))
 
 
 def _check_capturable(hidden, probs, routing_map) -> None:
