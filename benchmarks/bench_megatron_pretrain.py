@@ -167,10 +167,9 @@ def command(config: str, variant: str, gpus: int, iters: int, layers: int, micro
             "--log-interval", str(log_interval), "--expert-model-parallel-size", str(gpus), "--seed", str(seed)]
 
 
-# Iterations left out of the timing by default: the first fills the JIT caches (DeepGEMM compiles a kernel per
-# configuration its heuristic picks for a grouped GEMM's total rows, which move with every micro-batch's routing:
-# an H200 run timing the second iteration on gave FP8-Flow 0.58x the stand-in at qwen3_moe_like, the block
-# alone 1.36x), the second what the first left.
+# Iterations left out of the timing by default: the first fills the JIT caches (Triton's kernels, DeepGEMM's one
+# layout per GEMM shape: kernels/grouped_gemm_deepgemm.MIN_ROWS), the second what the first left (a wgrad backend
+# first met, e.g. DeepGEMM's k-grouped kernel on a rank whose rows fall below cuBLAS's threshold).
 WARMUP_ITERS = 2
 ERROR = re.compile(r"^\s*(?:\[rank\d+\]: )?[\w.]*(?:Error|Exception): .*$", re.M)  # an exception's message line
 PROBE_FIELDS = ("activation_mib_per_moe_layer", "activation_mib_moe_layers", "step_activation_peak_mib",

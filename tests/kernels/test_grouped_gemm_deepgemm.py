@@ -161,3 +161,45 @@ def test_which_host_splits_deepgemm_and_cublas_take(monkeypatch):
     assert not cublas.supports_wgrad(E4M3, E4M3, [128, 129])  # whole 1x128 blocks only
     assert not cublas.supports_wgrad(E4M3, E4M3, torch.tensor([128]))  # host splits only
     assert not cublas.supports_wgrad(E5M2, E5M2, [128])  # cuBLAS's FP8 pairs: not both E5M2
+
+
+@pytest.mark.parametrize("splits", [[0, 384, 128, 512], [128, 0, 0, 0, 256], [0, 0, 0, 0]], ids=str)
+def test_few_rows_run_as_min_rows(monkeypatch, splits):
+    """A call of fewer than ``MIN_ROWS`` rows reaches DeepGEMM as one of ``MIN_ROWS`` rows (so its JIT meets one
+    layout per shape, whatever the routing): the extra rows are a weightless group (``m_indices`` -1), and the
+    output is the leading rows, equal to the unpadded product; at ``MIN_ROWS`` rows and above nothing is padded.
+    A fake ``deep_gemm`` (its contract: the rows of group -1 untouched) on the CPU; the real one is the GPU
+    tests' above, whose calls are all below ``MIN_ROWS``."""
+    seen = []
+
+    def m_grouped(a, b, d, m_indices):
+        (a, sa), (b, sb) = a, b
+        assert a.shape[0] == sa.shape[0] == d.shape[0] == m_indices.shape[0] and d.is_contiguous()
+        seen.append((a.shape[0], m_indices.clone()))
+        x = a.float() * sa.repeat_interleave(128, 1)
+        w = b.float() * sb.repeat_interleave(128, 1).repeat_interleave(128, 2)
+        for g in range(b.shape[0]):
+            rows = m_indices == g
+            d[rows] = (x[rows] @ w[g].t()).to(d.dtype)
+
+    monkeypatch.setattr(dg, "MIN_ROWS", 1024)
+    monkeypatch.setattr(dg, "_module", lambda: type("DeepGEMM", (), dict(
+        m_grouped_fp8_gemm_nt_contiguous=staticmethod(m_grouped), get_mk_alignment_for_contiguous_layout=lambda: 128)))
+    m = sum(splits)
+    x = quantize_blockwise(torch.randn(m, 256))
+    w = quantize_grouped_weight([torch.randn(128, 256) * 0.05 for _ in range(4)])[0]
+    ref = grouped_gemm(x, w, splits, out_dtype=torch.float32, backend="reference")
+    b, sb = w.rowwise_data.view(4, 128, 256), w.rowwise_scale_inv.view(4, 1, 2)  # as ops.grouped_gemm passes them
+    out = dg.grouped_gemm(x.rowwise_data, x.rowwise_scale_inv, b, sb, splits)
+    assert out.shape == (m, 128) and out.is_contiguous() and out.dtype == torch.bfloat16
+    if m:
+        (rows, m_indices), = seen
+        assert rows == 1024 and (m_indices[m:] == -1).all() and (m_indices[:m] >= -1).all()
+        assert relerr(out, ref) < 1e-2 and torch.equal(out[sum(splits[:4]):], torch.zeros_like(out[sum(splits[:4]):]))
+    else:
+        assert not seen  # nothing to compute: no call
+    big = [512, 512, 0, 256]
+    x = quantize_blockwise(torch.randn(sum(big), 256))
+    seen.clear()
+    dg.grouped_gemm(x.rowwise_data, x.rowwise_scale_inv, b, sb, big)
+    assert seen[0][0] == 1280 and (seen[0][1] >= 0).all()  # at MIN_ROWS and above: the operands as they are

@@ -98,15 +98,34 @@ def _m_indices(m_splits, m: int, device, num_weights: int) -> torch.Tensor:
     return groups if len(m_splits) <= num_weights else torch.where(groups < num_weights, groups, -1)
 
 
+# DeepGEMM's JIT picks a kernel layout (block_n, cluster, stages) for each call from its shape, the total rows M
+# included, and compiles every layout it meets first: one NVCC run of 2.4-6.9 s (H200). At many 128-row blocks it
+# settles on one layout per (N, K); with few rows the layout moves with M. Under expert parallelism routing leaves
+# some rank with few rows at random micro-batches, so new layouts were met, and compiled, mid-run while the other
+# ranks waited at the next all-to-all: qwen3_moe_like at EP=4 (H200s) had NVCC compiles in 5 of 6 iterations and
+# iterations of 7-28 s against 4.4 s with the compiles cached; every layout change was at M <= 13952 rows
+# (docs/grouped_gemm.md, "Layouts and M"). A call with fewer rows runs as one of MIN_ROWS rows: the extra rows are
+# a weightless group (m_indices -1: DeepGEMM skips their MMAs) and the output is the leading M rows.
+MIN_ROWS = 32768
+
+
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
     """As ``kernels.grouped_gemm.grouped_gemm``: ``a [M, R]`` E4M3 1x128, ``b [G, N, R]`` E4M3 128x128
     -> ``C [M, N]`` BF16, ``C[rows of g] = A[rows of g] @ B_g^T``; the rows of a trailing weightless
-    group (``m_splits`` with G + 1 groups) are skipped by DeepGEMM and zeroed by a Triton kernel."""
+    group (``m_splits`` with G + 1 groups) are skipped by DeepGEMM and zeroed by a Triton kernel. Below
+    ``MIN_ROWS`` rows the operands are copied into ``MIN_ROWS``-row buffers (one kernel layout per shape) and
+    ``C`` is the leading ``M`` rows of a ``[MIN_ROWS, N]`` tensor (a contiguous view)."""
     m, n = a.shape[0], b.shape[1]
-    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    rows = max(m, MIN_ROWS) if m else 0
+    c = torch.empty((rows, n), dtype=out_dtype, device=a.device)
     if m:
-        _module().m_grouped_fp8_gemm_nt_contiguous((a, a_scale_inv), (b, b_scale_inv), c,
-                                                   _m_indices(m_splits, m, a.device, b.shape[0]))
+        m_indices = _m_indices(m_splits, m, a.device, b.shape[0])
+        if rows > m:
+            a, a_scale_inv, m_indices = (torch.cat([t, t.new_empty((rows - m, *t.shape[1:]))])
+                                         for t in (a, a_scale_inv, m_indices))
+            m_indices[m:] = -1
+        _module().m_grouped_fp8_gemm_nt_contiguous((a, a_scale_inv), (b, b_scale_inv), c, m_indices)
+        c = c[:m]
         from .grouped_gemm import zero_weightless_rows  # Triton: present wherever DeepGEMM runs
 
         zero_weightless_rows(c, m_splits, b.shape[0])
