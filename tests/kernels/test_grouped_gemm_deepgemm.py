@@ -6,7 +6,7 @@ host sync, GroupedLinear on it, and a clear error where DeepGEMM is absent or ca
 import pytest
 import torch
 
-from conftest import CUDA, assert_no_host_sync, relerr
+from conftest import CUDA, KERNEL_DEVICE, assert_no_host_sync, relerr
 from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise, quantize_grouped_weight
 from transformer_engine_moe.kernels import grouped_gemm_deepgemm as dg
 from transformer_engine_moe.module import GroupedLinear
@@ -168,8 +168,8 @@ def test_few_rows_run_as_min_rows(monkeypatch, splits):
     """A call of fewer than ``MIN_ROWS`` rows reaches DeepGEMM as one of ``MIN_ROWS`` rows (so its JIT meets one
     layout per shape, whatever the routing): the extra rows are a weightless group (``m_indices`` -1), and the
     output is the leading rows, equal to the unpadded product; at ``MIN_ROWS`` rows and above nothing is padded.
-    A fake ``deep_gemm`` (its contract: the rows of group -1 untouched) on the CPU; the real one is the GPU
-    tests' above, whose calls are all below ``MIN_ROWS``."""
+    A fake ``deep_gemm`` (its contract: the rows of group -1 untouched), the zeroing kernel on the kernels' device;
+    the real DeepGEMM is the GPU tests' above, whose calls are all below ``MIN_ROWS``."""
     seen = []
 
     def m_grouped(a, b, d, m_indices):
@@ -186,8 +186,8 @@ def test_few_rows_run_as_min_rows(monkeypatch, splits):
     monkeypatch.setattr(dg, "_module", lambda: type("DeepGEMM", (), dict(
         m_grouped_fp8_gemm_nt_contiguous=staticmethod(m_grouped), get_mk_alignment_for_contiguous_layout=lambda: 128)))
     m = sum(splits)
-    x = quantize_blockwise(torch.randn(m, 256))
-    w = quantize_grouped_weight([torch.randn(128, 256) * 0.05 for _ in range(4)])[0]
+    x = quantize_blockwise(torch.randn(m, 256, device=KERNEL_DEVICE))
+    w = quantize_grouped_weight([torch.randn(128, 256, device=KERNEL_DEVICE) * 0.05 for _ in range(4)])[0]
     ref = grouped_gemm(x, w, splits, out_dtype=torch.float32, backend="reference")
     b, sb = w.rowwise_data.view(4, 128, 256), w.rowwise_scale_inv.view(4, 1, 2)  # as ops.grouped_gemm passes them
     out = dg.grouped_gemm(x.rowwise_data, x.rowwise_scale_inv, b, sb, splits)
@@ -199,7 +199,7 @@ def test_few_rows_run_as_min_rows(monkeypatch, splits):
     else:
         assert not seen  # nothing to compute: no call
     big = [512, 512, 0, 256]
-    x = quantize_blockwise(torch.randn(sum(big), 256))
+    x = quantize_blockwise(torch.randn(sum(big), 256, device=KERNEL_DEVICE))
     seen.clear()
     dg.grouped_gemm(x.rowwise_data, x.rowwise_scale_inv, b, sb, big)
     assert seen[0][0] == 1280 and (seen[0][1] >= 0).all()  # at MIN_ROWS and above: the operands as they are
