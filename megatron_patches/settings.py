@@ -71,11 +71,6 @@ CUDA_GRAPH_CONFLICTS = {
         bool, "it unset",
         "the parameters' all-gather is awaited in forward pre-hooks of the modules that hold them, which a "
         "replay does not call"),
-    "overlap_grad_reduce": (
-        bool, "it unset",
-        "under DDP's overlapped gradient reduction the backward graph's capture failed on the GPU "
-        "(cudaErrorStreamCaptureImplicit, H200, tests/megatron/test_cuda_graph.py), which also leaves the process's "
-        "CUDA generator unusable; not yet understood (issue 37)"),
 }
 
 # Megatron-LM settings under which the expert weights have no main_grad from forward on (where GroupedLinear checks

@@ -112,6 +112,38 @@ def test_gpu_replays_equal_eager_over_steps(case):
 
 
 @requires_cuda
+def test_gpu_two_layers_of_one_pool_replay_as_eager():
+    """Two blocks of one GraphPool chained as Megatron's layers (the second reads the first's output: forwards in
+    order, backwards in reverse), over micro-batches saying True, False, False, True: every output and gradient
+    equals two eager blocks', bit for bit. With one memory pool for all their graphs, a micro-batch saying False
+    (no weights replay) had the first block's forward write its temporaries over the second's FP8 weight cache,
+    captured into memory the first forward's capture had freed: Megatron's tiny GPT drifted from eager at its
+    third micro-batch, its pretrain gave NaN gradients (H200)."""
+    torch.manual_seed(0)
+    kw = dict(gemm_backend="triton", device="cuda", device_splits=True)
+    blocks = [FP8FlowMoE(E, H, FFN, K, **kw) for _ in range(2)]
+    eagers = [FP8FlowMoE(E, H, FFN, K, **kw) for _ in range(2)]
+    for e, b in zip(eagers, blocks):
+        e.load_state_dict(b.state_dict())
+    pool = GraphPool()
+    graphed = [GraphedFP8FlowMoE(b, pool) for b in blocks]
+    for m, first in enumerate((True, False, False, True)):
+        x, dy = inputs(m)
+        routes = [router_output(10 * m + i) for i in range(2)]
+        results = []
+        for layers, params in ((graphed, blocks), (eagers, eagers)):
+            xi = x.clone().requires_grad_()
+            h = xi
+            for layer, (probs, routing_map) in zip(layers, routes):
+                h = layer(h, probs, routing_map, is_first_microbatch=first)
+            h.backward(dy)
+            results.append([h.detach().clone(), xi.grad, *(p.grad.clone() for b in params for p in b.parameters())])
+        assert all(g.captured for g in graphed) == (m > 0)
+        for i, (a, b) in enumerate(zip(*results)):
+            assert torch.equal(a, b), (m, first, i)
+
+
+@requires_cuda
 def test_gpu_replays_do_not_sync_with_the_host():
     """After the capture, a step's first micro-batch (weights replay, forward and backward replays) and a later one
     run with CUDA's sync debug mode raising on any host sync."""
@@ -200,16 +232,19 @@ def test_cpu_training_call_is_refused_and_evaluation_runs_eagerly():
 def test_pending_captures_run_in_replay_order_and_never_inside_a_backward(monkeypatch):
     """The pool captures the blocks that ran their first training call, all at once, as
     ``make_graphed_callables``: warm-ups, then forwards in the order the blocks first ran, then backwards in
-    reverse (the order they replay), into one memory pool; each block once; never while autograd's backward runs
-    (a forward re-run inside it), where the engine could run other ready nodes inside the capture."""
+    reverse (the order they replay); the weights graphs into a memory pool of their own (they replay only when the
+    weights change: in the forwards' pool a skipped weights replay let a forward's temporaries overwrite a cache),
+    the forwards and backwards into another; each block once; never while autograd's backward runs (a forward
+    re-run inside it), where the engine could run other ready nodes inside the capture."""
     log, pool = [], GraphPool()
     blocks = [GraphedFP8FlowMoE(_block(), pool) for _ in range(2)]
     for i, graphed in enumerate(blocks):
         graphed._warm_up = lambda i=i: log.append(("warm-up", i))
-        graphed._capture_forward = lambda handle, i=i: log.append(("forward", i, handle))
+        graphed._capture_forward = lambda weights, handle, i=i: log.append(("forward", i, weights, handle))
         graphed._capture_backward = lambda handle, i=i: log.append(("backward", i, handle))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool 1")
+    handles = iter(["pool 1", "pool 2"])
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: next(handles))
     for graphed in (blocks[0], blocks[1], blocks[0]):  # a second registration of one block is one
         pool.register(graphed)
 
@@ -226,7 +261,7 @@ def test_pending_captures_run_in_replay_order_and_never_inside_a_backward(monkey
     CallInBackward.apply(torch.ones(2, requires_grad=True)).sum().backward()
     assert log == []
     pool.capture_pending()
-    assert log == [("warm-up", 0), ("warm-up", 1), ("forward", 0, "pool 1"), ("forward", 1, "pool 1"),
-                   ("backward", 1, "pool 1"), ("backward", 0, "pool 1")]
+    assert log == [("warm-up", 0), ("warm-up", 1), ("forward", 0, "pool 1", "pool 2"),
+                   ("forward", 1, "pool 1", "pool 2"), ("backward", 1, "pool 2"), ("backward", 0, "pool 2")]
     pool.capture_pending()
     assert len(log) == 6

@@ -58,6 +58,7 @@ needs, and what is refused:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -100,9 +101,15 @@ class GraphPool:
         blocks, self._pending = self._pending, []
         for graphed in blocks:
             graphed._warm_up()
-        pool = torch.cuda.graph_pool_handle()
+        # Two pools. The weights graphs replay only when the weights change (is_first_microbatch True), the others
+        # every micro-batch: in one pool a weights graph's FP8 cache took memory an earlier forward's capture had
+        # freed, and a later micro-batch's replay of that forward, with no weights replay after it, wrote its
+        # temporaries over the cache (Megatron's tiny GPT drifted from the eager losses at the third micro-batch,
+        # its pretrain gave NaN gradients; H200). In a pool of their own the caches stay out of every forward's and
+        # backward's way, and a weights graph's temporaries only meet other weights graphs' temporaries.
+        weights_pool, pool = torch.cuda.graph_pool_handle(), torch.cuda.graph_pool_handle()
         for graphed in blocks:
-            graphed._capture_forward(pool)
+            graphed._capture_forward(weights_pool, pool)
         for graphed in reversed(blocks):
             graphed._capture_backward(pool)
 
@@ -112,12 +119,14 @@ class _Captured:
     """The graphs of one block and what they read and write: the static inputs (``inputs``: buffers the
     replays copy into; ``leaves``: the same memory as the autograd leaves of the capture, with their own version
     counters, so those copies do not invalidate what the captured forward saved), the static output, the
-    weights autograd sees, their FP8 caches, the addresses checked before each weights replay, and the address
+    weights autograd sees (``params``: the block's; ``weight_leaves``: the captured graphs' leaves over them,
+    ``_weight_leaves``), their FP8 caches, the addresses checked before each weights replay, and the address
     tables the kernels read (kept alive here: a capture holds no reference to what it reads)."""
 
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     leaves: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     params: list[torch.nn.Parameter]
+    weight_leaves: list[torch.nn.Parameter]
     main_grad: bool
     weights_graph: torch.cuda.CUDAGraph
     forward_graph: torch.cuda.CUDAGraph
@@ -218,8 +227,9 @@ class GraphedFP8FlowMoE:
             del out
         torch.cuda.current_stream().wait_stream(side)
 
-    def _capture_forward(self, pool) -> None:
-        """The weights and forward graphs; the forward's autograd graph is kept for ``_capture_backward``."""
+    def _capture_forward(self, weights_pool, pool) -> None:
+        """The weights graph (in ``weights_pool``) and the forward graph (in ``pool``); the forward's autograd graph
+        is kept for ``_capture_backward``."""
         (leaves, params), inputs, self._sample = self._leaves(), self._sample, None
         block = self.block
         linears = (block.linear_fc1, block.linear_fc2)
@@ -227,15 +237,16 @@ class GraphedFP8FlowMoE:
             self.accumulate_into_main_grad and bool(params) and
             all(getattr(p, "main_grad", None) is not None for p in params))
         tables = [t for lin in linears for t in lin.address_tables()]
-        weights_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(weights_graph, pool=pool, capture_error_mode="thread_local"):
-            block.prefetch_fp8_weights(True)
-        caches = [lin._cache for lin in linears]  # the static FP8 weights (W^T; fc1's W under moe_expert)
-        block.drop_prefetched_fp8_weights()
-        forward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode="thread_local"):
-            out = block(*leaves, is_first_microbatch=False)
-        self._captured = _Captured(inputs=inputs, leaves=leaves, params=params, main_grad=main_grad,
+        weights_graph, forward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        with _weight_leaves(block) as weight_leaves:
+            with torch.cuda.graph(weights_graph, pool=weights_pool, capture_error_mode="thread_local"):
+                block.prefetch_fp8_weights(True)
+            caches = [lin._cache for lin in linears]  # the static FP8 weights (W^T; fc1's W under moe_expert)
+            block.drop_prefetched_fp8_weights()
+            with torch.cuda.graph(forward_graph, pool=pool, capture_error_mode="thread_local"):
+                out = block(*leaves, is_first_microbatch=False)
+        self._captured = _Captured(inputs=inputs, leaves=leaves, params=params, weight_leaves=weight_leaves,
+                                   main_grad=main_grad,
                                    weights_graph=weights_graph, forward_graph=forward_graph, caches=caches,
                                    output=out.detach(), addresses=_addresses(params, main_grad), tables=tables,
                                    graph_root=out)
@@ -247,9 +258,10 @@ class GraphedFP8FlowMoE:
         c = self._captured
         c.grad_output = torch.empty_like(c.output)
         c.backward_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(c.backward_graph, pool=pool, capture_error_mode="thread_local"):
+        with _weight_leaves(self.block, c.weight_leaves), \
+                torch.cuda.graph(c.backward_graph, pool=pool, capture_error_mode="thread_local"):
             self._install_caches(c)  # what a moe_expert rerun reads
-            grads = torch.autograd.grad(c.graph_root, [*c.leaves[:2], *c.params], c.grad_output)
+            grads = torch.autograd.grad(c.graph_root, [*c.leaves[:2], *c.weight_leaves], c.grad_output)
             if c.main_grad and not self.block.linear_fc1.fuse_wgrad_accumulation:
                 main_grads = [p.main_grad for p in c.params]
                 if _accumulates_into_main_grad(c.params):
@@ -340,3 +352,29 @@ class _Replay(torch.autograd.Function):
     def backward(ctx, grad):
         grad_hidden, grad_probs, *grad_params = ctx.graphed._backward(grad, ctx.generation)
         return None, grad_hidden, grad_probs, None, *grad_params
+
+
+@contextlib.contextmanager
+def _weight_leaves(block: torch.nn.Module, leaves: Optional[list] = None):
+    """Within: each trainable parameter of ``block`` replaced, in its module, by a parameter of its own over the
+    same memory (same version counter) with the same attributes (``main_grad``...), or by ``leaves`` (those of an
+    earlier use, in the same order); yields them. They are the captured graphs' weight leaves: the forward's and
+    the backward's (a ``moe_expert`` rerun reads the weights inside it). Megatron's DDP keeps each parameter's
+    AccumulateGrad node alive from its set-up, where it was made on the default stream, and a backward captured
+    into such a node makes the legacy stream wait on the capture: ``cudaErrorStreamCaptureImplicit`` (torch warns
+    "The AccumulateGrad node's stream does not match..."; Megatron's tiny GPT on an H200). A new parameter's node
+    is made inside the capture, on its stream. Replays read and write the same memory, and ``_Replay`` hands
+    autograd the block's own parameters."""
+    swapped = [(module, name, p) for module in block.modules() for name, p in module._parameters.items()
+               if p is not None and p.requires_grad]
+    if leaves is None:
+        leaves = [torch.nn.Parameter(p.detach()) for *_, p in swapped]
+        for leaf, (*_, p) in zip(leaves, swapped):
+            leaf.__dict__.update(p.__dict__)
+    for (module, name, _), leaf in zip(swapped, leaves):
+        module._parameters[name] = leaf
+    try:
+        yield leaves
+    finally:
+        for module, name, p in swapped:
+            module._parameters[name] = p
