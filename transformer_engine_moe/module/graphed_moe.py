@@ -19,9 +19,10 @@ kernels read built; with ``main_grad`` fusion the warm-up adds zeros into ``main
 forward graphs in the order the blocks were first called, then the backward graphs in reverse: the order Megatron
 replays them (layers forward, then backward from the last). So every capture runs in a forward, outside autograd's
 backward: a capture inside it (a reentrant ``torch.autograd.grad``) let the autograd engine run the surrounding
-backward's ready nodes on the capturing thread, recording them into the graph (with DDP's overlapped gradient
-reduction, its collectives broke the capture: ``cudaErrorStreamCaptureImplicit``). A call inside a backward (a
-forward re-run by Megatron's full recompute) runs eagerly and captures nothing.
+backward's ready nodes on the capturing thread, recording them into the graph. A call inside a backward (a
+forward re-run by Megatron's full recompute) runs eagerly and captures nothing. The weights graphs go into a
+memory pool of their own, the forwards and backwards into another; the captures see the weights through leaves
+of their own (``_weight_leaves``).
 
 - weights: fc1's and fc2's FP8 weights quantized into static buffers, the FP8 weight cache, by TE's
   ``is_first_microbatch`` rule: replayed when it is True or None and after ``reset_fp8_weight_cache``; False
