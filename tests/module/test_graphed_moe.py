@@ -265,3 +265,31 @@ def test_pending_captures_run_in_replay_order_and_never_inside_a_backward(monkey
                    ("forward", 1, "pool 1", "pool 2"), ("backward", 1, "pool 2"), ("backward", 0, "pool 2")]
     pool.capture_pending()
     assert len(log) == 6
+
+
+@pytest.mark.parametrize("single", [False, True], ids=["per_expert", "single"])
+def test_captures_see_the_weights_through_leaves_of_their_own(single):
+    """Inside ``_weight_leaves`` the block's trainable parameters are new parameters over the same memory and
+    version counter, with the same attributes (Megatron's ``main_grad``), so a captured backward ends in
+    AccumulateGrad nodes of its own, not the ones Megatron's DDP keeps from its set-up on the default stream;
+    a second use takes the same leaves; afterwards the block holds its own parameters again."""
+    from transformer_engine_moe.module.graphed_moe import _weight_leaves
+
+    block = _block(single_grouped_weight=single)
+    trainable = lambda: [p for p in block.parameters() if p.requires_grad]
+    same = lambda xs, ys: len(xs) == len(ys) and all(x is y for x, y in zip(xs, ys))
+    params = trainable()
+    for p in params:
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    with _weight_leaves(block) as leaves:
+        assert same(trainable(), leaves) and len(leaves) == len(params)
+        assert all(a is not b and a.data_ptr() == b.data_ptr() and a.main_grad is b.main_grad
+                   for a, b in zip(leaves, params))
+        leaves[0].data.add_(1)  # one memory: the block's parameter sees it, and its version moved
+        assert params[0]._version == leaves[0]._version > 0
+        block.linear_fc1.weight_params[0].sum().backward()  # the block's modules read the leaves
+        assert leaves[0].grad is not None and params[0].grad is None
+    assert same(trainable(), params)
+    with _weight_leaves(block, leaves) as again:
+        assert again is leaves and same(trainable(), leaves)
+    assert same(trainable(), params)
