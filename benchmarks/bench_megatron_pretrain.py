@@ -172,6 +172,7 @@ def command(config: str, variant: str, gpus: int, iters: int, layers: int, micro
 # first met, e.g. DeepGEMM's k-grouped kernel on a rank whose rows fall below cuBLAS's threshold).
 WARMUP_ITERS = 2
 ERROR = re.compile(r"^\s*(?:\[rank\d+\]: )?[\w.]*(?:Error|Exception): .*$", re.M)  # an exception's message line
+RERUN = re.compile(r"Unexpected result .*$", re.M)  # megatron.core.rerun_state_machine's
 PROBE_FIELDS = ("activation_mib_per_moe_layer", "activation_mib_moe_layers", "step_activation_peak_mib",
                 "probed_micro_batch", "activation_probe_note", "max_micro_batch", "max_micro_batch_capped",
                 "max_micro_batch_tries", "max_micro_batch_note", "activation_probe_error", "max_micro_batch_error")
@@ -231,7 +232,12 @@ def outcome(status: str, out: str, tokens_per_iter: int, gpus: int, warmup: int 
 
 
 def root_cause(out: str) -> str:
-    """The first exception line of a run's ``out``put that is not torchrun's report of the workers it stopped."""
+    """Megatron's rerun state machine's report of an unexpected result (a NaN in the loss or the gradients: it
+    then stops the run, with a TypeError when it asks for a checkpoint without --save), else the first exception
+    line of a run's ``out``put that is not torchrun's report of the workers it stopped."""
+    unexpected = RERUN.search(out)
+    if unexpected:
+        return unexpected.group(0).strip()
     return next((m.group(0) for m in ERROR.finditer(out) if "ChildFailedError" not in m.group(0)), "")
 
 

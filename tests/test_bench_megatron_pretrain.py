@@ -208,6 +208,14 @@ def test_outcome_keeps_a_failed_runs_log_tail_and_root_cause_with_what_it_logged
     assert failed["final_loss"] == 8.0 and failed["log_tail"].endswith("FAILED\n")
     assert failed["error"] == oom and failed["tokens_per_s_per_gpu"] is None and failed["iter_ms"] is None
     assert bench.outcome("ok", "no iterations", 1, 1) == {"log_tail": "no iterations", "error": ""}
+    # NaN gradients: Megatron's rerun state machine reports them, then asks for a checkpoint (TypeError without
+    # --save); the row names the NaN, not the TypeError (the graph variant's H200 run, 2026-11-27)
+    nan = ("ERROR:megatron.core.rerun_state_machine:Unexpected result nan on rank 0 at iteration #3 invocation #1 "
+           "(message='found NaN in local grad norm for bucket #0 in backward pass before data-parallel "
+           "communication collective')")
+    stopped = bench.outcome("exit 1", LOG + nan + "\n[rank0]: TypeError: expected str, bytes or os.PathLike "
+                            "object, not NoneType\n" + TORCHRUN_REPORT, 128 * 4096, 1)
+    assert stopped["error"].startswith("Unexpected result nan on rank 0") and "found NaN" in stopped["error"]
 
 
 def test_combine_takes_the_median_and_the_probe_runs_fields():
