@@ -8,10 +8,10 @@ configurations' experts (fc1, fc2 and their dgrads), calling DeepGEMM directly (
 pads small calls) with every row in a weightless group (``m_indices`` -1: MMAs skipped, the choice is made on the
 host), and reads the choice from ``DG_PRINT_CONFIGS``. One process per shape, run in parallel (NVCC is CPU work).
 
-Output ``benchmarks/results/deepgemm_layouts.{json,md}``: per shape, each layout with the M range it was picked
+Output ``benchmarks/results/bench_deepgemm_layouts.{json,md}``: per shape, each layout with the M range it was picked
 for, and ``settled_from``: the smallest swept M from which every larger one gets the largest M's layout.
 
-    python benchmarks/deepgemm_layouts.py [--max-rows 524288] [--jobs 8]
+    python benchmarks/bench_deepgemm_layouts.py [--max-rows 524288] [--jobs 8]
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def main(argv=None) -> None:
         r["layouts_md"] = "<br>".join(f"{x['rows_min']}-{x['rows_max']}: {layout(x['config'])}"
                                       for x in r.get("layouts", ()))
     path = utils.write_results(
-        "deepgemm_layouts", "DeepGEMM's layout per total rows M (grouped fprop/dgrad)", env, {}, rows,
+        "bench_deepgemm_layouts", "DeepGEMM's layout per total rows M (grouped fprop/dgrad)", env, {}, rows,
         ["n", "k", "groups", "settled_from", "layouts_md", "rc"],
         notes="`settled_from`: the smallest swept M (rows) from which every larger M gets the largest M's layout. "
               "Every row weightless (`m_indices` -1); M every 128 rows to 65536, then steps of 1.25x.")
