@@ -285,8 +285,11 @@ def test_captures_see_the_weights_through_leaves_of_their_own(single):
         assert same(trainable(), leaves) and len(leaves) == len(params)
         assert all(a is not b and a.data_ptr() == b.data_ptr() and a.main_grad is b.main_grad
                    for a, b in zip(leaves, params))
-        leaves[0].data.add_(1)  # one memory: the block's parameter sees it, and its version moved
-        assert params[0]._version == leaves[0]._version > 0
+        before, value = params[0]._version, params[0].detach().flatten()[0].clone()
+        with torch.no_grad():
+            leaves[0].add_(1)  # one memory and one version counter: the block's parameter sees both move
+        assert params[0]._version == leaves[0]._version > before
+        assert params[0].detach().flatten()[0] == value + 1
         block.linear_fc1.weight_params[0].sum().backward()  # the block's modules read the leaves
         assert leaves[0].grad is not None and params[0].grad is None
     assert same(trainable(), params)
