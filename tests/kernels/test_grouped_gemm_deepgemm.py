@@ -164,12 +164,13 @@ def test_which_host_splits_deepgemm_and_cublas_take(monkeypatch):
 
 
 @pytest.mark.parametrize("splits", [[0, 384, 128, 512], [128, 0, 0, 0, 256], [0, 0, 0, 0]], ids=str)
-def test_few_rows_run_as_min_rows(monkeypatch, splits):
-    """A call of fewer than ``MIN_ROWS`` rows reaches DeepGEMM as one of ``MIN_ROWS`` rows (so its JIT meets one
-    layout per shape, whatever the routing): the extra rows are a weightless group (``m_indices`` -1), and the
-    output is the leading rows, equal to the unpadded product; at ``MIN_ROWS`` rows and above nothing is padded.
-    A fake ``deep_gemm`` (its contract: the rows of group -1 untouched), the zeroing kernel on the kernels' device;
-    the real DeepGEMM is the GPU tests' above, whose calls are all below ``MIN_ROWS``."""
+def test_fewer_rows_than_the_shape_has_had_run_as_more(monkeypatch, splits):
+    """DeepGEMM's layout moves with the rows of a call; so a call with fewer rows than its weight shape has had
+    runs as one of min(``MIN_ROWS``, the most it has had) rows: the extra rows a weightless group (``m_indices``
+    -1) and the output the leading rows, equal to the unpadded product. Calls as large as any before, and calls
+    of a shape that never had more, run as they are. A fake ``deep_gemm`` (its contract: the rows of group -1
+    untouched), the zeroing kernel on the kernels' device; the real DeepGEMM is the GPU tests' above, whose later
+    calls of one shape have fewer rows than its first."""
     seen = []
 
     def m_grouped(a, b, d, m_indices):
@@ -182,24 +183,30 @@ def test_few_rows_run_as_min_rows(monkeypatch, splits):
             rows = m_indices == g
             d[rows] = (x[rows] @ w[g].t()).to(d.dtype)
 
-    monkeypatch.setattr(dg, "MIN_ROWS", 1024)
+    monkeypatch.setattr(dg, "MIN_ROWS", 1280)
+    monkeypatch.setattr(dg, "_MOST_ROWS", {})
     monkeypatch.setattr(dg, "_module", lambda: type("DeepGEMM", (), dict(
         m_grouped_fp8_gemm_nt_contiguous=staticmethod(m_grouped), get_mk_alignment_for_contiguous_layout=lambda: 128)))
-    m = sum(splits)
-    x = quantize_blockwise(torch.randn(m, 256, device=KERNEL_DEVICE))
     w = quantize_grouped_weight([torch.randn(128, 256, device=KERNEL_DEVICE) * 0.05 for _ in range(4)])[0]
-    ref = grouped_gemm(x, w, splits, out_dtype=torch.float32, backend="reference")
     b, sb = w.rowwise_data.view(4, 128, 256), w.rowwise_scale_inv.view(4, 1, 2)  # as ops.grouped_gemm passes them
-    out = dg.grouped_gemm(x.rowwise_data, x.rowwise_scale_inv, b, sb, splits)
-    assert out.shape == (m, 128) and out.is_contiguous() and out.dtype == torch.bfloat16
-    if m:
-        (rows, m_indices), = seen
-        assert rows == 1024 and (m_indices[m:] == -1).all() and (m_indices[:m] >= -1).all()
-        assert relerr(out, ref) < 1e-2 and torch.equal(out[sum(splits[:4]):], torch.zeros_like(out[sum(splits[:4]):]))
-    else:
-        assert not seen  # nothing to compute: no call
-    big = [512, 512, 0, 256]
-    x = quantize_blockwise(torch.randn(sum(big), 256, device=KERNEL_DEVICE))
-    seen.clear()
-    dg.grouped_gemm(x.rowwise_data, x.rowwise_scale_inv, b, sb, big)
-    assert seen[0][0] == 1280 and (seen[0][1] >= 0).all()  # at MIN_ROWS and above: the operands as they are
+
+    def call(sizes):
+        x = quantize_blockwise(torch.randn(sum(sizes), 256, device=KERNEL_DEVICE))
+        seen.clear()
+        out = dg.grouped_gemm(x.rowwise_data, x.rowwise_scale_inv, b, sb, sizes)
+        assert out.shape == (sum(sizes), 128) and out.is_contiguous() and out.dtype == torch.bfloat16
+        return x, out, seen[0] if seen else None
+
+    m = sum(splits)
+    assert call([256, 0, 0, 0])[2][0] == 256  # a shape's first call: as it is
+    assert call([0, 128, 0, 0])[2][0] == 256  # fewer rows than before: as many as the most before
+    assert call([512, 512, 0, 256])[2][0] == 1280  # more rows than any before: as it is
+    x, out, ran = call(splits)
+    if not m:
+        assert ran is None  # nothing to compute: no call
+        return
+    assert ran[0] == 1280 and (ran[1][m:] == -1).all() and (ran[1][:m] >= -1).all()
+    ref = grouped_gemm(x, w, splits, out_dtype=torch.float32, backend="reference")
+    assert relerr(out, ref) < 1e-2 and torch.equal(out[sum(splits[:4]):], torch.zeros_like(out[sum(splits[:4]):]))
+    assert call([1024, 512, 512, 0])[2][0] == 2048  # above MIN_ROWS: as it is
+    assert call(splits)[2][0] == 1280  # at most MIN_ROWS

@@ -100,23 +100,34 @@ def _m_indices(m_splits, m: int, device, num_weights: int) -> torch.Tensor:
 
 # DeepGEMM's JIT picks a kernel layout (block_n, cluster, stages) for each call from its shape, the total rows M
 # included, and compiles every layout it meets first: one NVCC run of 2.4-6.9 s (H200). At many 128-row blocks it
-# settles on one layout per (N, K); with few rows the layout moves with M. Under expert parallelism routing leaves
+# settles on one layout per (N, K); with few rows the layout moves with M (every change below 15,616 rows at the
+# configurations' expert shapes: docs/grouped_gemm.md, "Layouts and M"). Under expert parallelism routing leaves
 # some rank with few rows at random micro-batches, so new layouts were met, and compiled, mid-run while the other
 # ranks waited at the next all-to-all: qwen3_moe_like at EP=4 (H200s) had NVCC compiles in 5 of 6 iterations and
-# iterations of 7-28 s against 4.4 s with the compiles cached; every layout change was at M <= 13952 rows
-# (docs/grouped_gemm.md, "Layouts and M"). A call with fewer rows runs as one of MIN_ROWS rows: the extra rows are
-# a weightless group (m_indices -1: DeepGEMM skips their MMAs) and the output is the leading M rows.
+# iterations of 7-28 s against 4.4 s with the compiles cached. So a call with fewer rows than its shape has had
+# runs as one of min(MIN_ROWS, the most rows that shape has had) rows: the extra rows are a weightless group
+# (m_indices -1: DeepGEMM skips their MMAs, not their A loads) and the output is the leading M rows. A shape whose
+# calls always have about as many rows (EP=1: the tokens times top-k) is not padded and pays nothing.
 MIN_ROWS = 32768
+_MOST_ROWS: dict = {}  # (N, K, groups, device) -> the most rows a call of that shape has had in this process
+
+
+def _rows_to_run(m: int, b: torch.Tensor) -> int:
+    """The rows DeepGEMM runs a call of ``m`` rows on weights ``b [G, N, K]`` as: ``m``, or up to ``MIN_ROWS`` when
+    calls of that shape have had more (``_MOST_ROWS``)."""
+    key = (*b.shape, b.device)
+    most = _MOST_ROWS[key] = max(_MOST_ROWS.get(key, 0), m)
+    return max(m, min(MIN_ROWS, most))
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
     """As ``kernels.grouped_gemm.grouped_gemm``: ``a [M, R]`` E4M3 1x128, ``b [G, N, R]`` E4M3 128x128
     -> ``C [M, N]`` BF16, ``C[rows of g] = A[rows of g] @ B_g^T``; the rows of a trailing weightless
-    group (``m_splits`` with G + 1 groups) are skipped by DeepGEMM and zeroed by a Triton kernel. Below
-    ``MIN_ROWS`` rows the operands are copied into ``MIN_ROWS``-row buffers (one kernel layout per shape) and
-    ``C`` is the leading ``M`` rows of a ``[MIN_ROWS, N]`` tensor (a contiguous view)."""
+    group (``m_splits`` with G + 1 groups) are skipped by DeepGEMM and zeroed by a Triton kernel. A call with
+    fewer rows than ``_rows_to_run`` says has its operands copied into buffers of that many rows (one kernel layout
+    per shape under uneven routing) and ``C`` is the leading ``M`` rows of the larger output (a contiguous view)."""
     m, n = a.shape[0], b.shape[1]
-    rows = max(m, MIN_ROWS) if m else 0
+    rows = _rows_to_run(m, b) if m else 0
     c = torch.empty((rows, n), dtype=out_dtype, device=a.device)
     if m:
         m_indices = _m_indices(m_splits, m, a.device, b.shape[0])
