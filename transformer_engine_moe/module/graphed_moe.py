@@ -76,7 +76,8 @@ _INPUTS = ("hidden", "probs", "routing_map")
 
 class GraphPool:
     """The captures of several ``GraphedFP8FlowMoE``s replayed in one order (a model's layers), made together
-    into one CUDA-graph memory pool, as ``torch.cuda.make_graphed_callables`` does for its callables: memory a
+    into shared CUDA-graph memory pools (the weights graphs' one, the forwards' and backwards' another:
+    ``capture_pending``), as ``torch.cuda.make_graphed_callables`` shares one across its callables: memory a
     graph frees during its capture serves the graphs captured after it, instead of every layer keeping its own
     temporaries. It holds the blocks that ran their first training call eagerly, in the order they ran."""
 
@@ -91,7 +92,7 @@ class GraphPool:
             self._pending.append(graphed)
 
     def capture_pending(self) -> None:
-        """The registered blocks' graphs, into a new memory pool: their warm-ups, their weights and forward graphs
+        """The registered blocks' graphs, into two new memory pools: their warm-ups, their weights and forward graphs
         in the order they registered, their backward graphs in reverse (the order they replay). Nothing while
         autograd's backward runs (a forward re-run inside it, e.g. Megatron's full recompute), where its other
         ready nodes could run inside the capture."""
