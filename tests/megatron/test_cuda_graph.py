@@ -243,6 +243,8 @@ def test_gpu_tiny_gpt_trains_with_cuda_graphs_as_eager(world_of_one, fuse, overl
     for got, want in zip(losses, want_losses):
         assert abs(got - want) <= 1e-4 * abs(want), (losses, want_losses)
     for step_grads, step_want in zip(grads, want_grads):
+        # the steps can collapse this tiny model's routers: an expert no token chose in a step has a zero gradient
+        # in both runs (the bound then asks the graphs' for exactly zero); most experts were chosen in every step
+        assert sum(bool(want.norm() > 0) for want in step_want.values()) >= len(step_want) * 3 // 4
         for name, want in step_want.items():
-            assert want.norm() > 0, name
-            assert ((step_grads[name] - want).norm() / want.norm()).item() < 1e-3, name
+            assert (step_grads[name] - want).norm() <= 1e-3 * want.norm(), name
