@@ -44,6 +44,7 @@ def _samples() -> dict:
         "dequantize_128x128": [(wq[0], ws[0], torch.float32)],
         "scaling_aware_transpose": [(q, s, ms, None), (q, s, None, ms_t)],
         "transpose_128x128": [(wq, ws)],
+        "topk_routing": [(torch.tensor([[0, 3], [2, -1], [1, 2]]), torch.rand(3, 2), 4)],
         "routing_layout": [(rm, 4), (rm, 1)],
         "permute": [(h, rmap, cap, pad, probs, torch.rand(16, 1)), (h, rmap, cap, None, None, None)],
         "unpermute": [(y, rmap, probs, pad)],

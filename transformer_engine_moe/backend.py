@@ -50,6 +50,7 @@ class Implementation:
     dequantize_128x128: Callable = _launcher("dequantize")
     scaling_aware_transpose: Callable = _launcher("transpose")
     transpose_128x128: Callable = _launcher("transpose")
+    topk_routing: Callable = _launcher("permute")
     routing_layout: Callable = _launcher("permute")
     permute: Callable = _launcher("permute")
     unpermute: Callable = _launcher("permute")

@@ -122,6 +122,13 @@ def transpose_128x128(data, scale_inv):
     return _empty(data, *data.transpose(1, 2).shape), _empty(scale_inv, *scale_inv.transpose(1, 2).shape)
 
 
+@_spec("(Tensor topk_idx, Tensor topk_weights, int num_experts) -> (Tensor, Tensor, Tensor)")
+def topk_routing(topk_idx, topk_weights, num_experts):
+    t = topk_idx.shape[0]
+    return (_empty(topk_idx, t, num_experts, dtype=torch.bool), _empty(topk_weights, t, num_experts),
+            _empty(topk_idx, 2, dtype=torch.int32))
+
+
 @_spec("(Tensor routing_map, int align_size) -> (Tensor, Tensor, Tensor, Tensor)")
 def routing_layout(routing_map, align_size):
     t, e = routing_map.shape

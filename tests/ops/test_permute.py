@@ -174,13 +174,59 @@ def test_megatron_router_format_round_trips_through_topk():
     assert torch.equal(probs.grad, rm.float())
 
 
+def _topk_case(case: str, t: int, e: int, k: int, dtype=torch.float32):
+    """``(topk_idx [t, k] int64, topk_weights [t, k])`` of one routing ``case``, on KERNEL_DEVICE."""
+    idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)]) if t else torch.zeros(0, k, dtype=torch.int64)
+    w = torch.rand(t, k).to(dtype)
+    if case == "unused_slots" and t:
+        idx[::3, -1] = -1
+        idx[t // 2] = -1  # a token routed nowhere
+    if case == "one_expert" and t:
+        idx[:, 1:], idx[:, 0] = -1, e - 1
+    if case == "special_values" and t:
+        w[t // 2], w[0, 0], w[-1, -1], w[-1, 0] = 0.0, float("nan"), float("inf"), -0.0
+    return idx.to(KERNEL_DEVICE), w.to(KERNEL_DEVICE)
+
+
+@pytest.mark.parametrize("case", ["random", "unused_slots", "one_expert", "special_values"])
+@pytest.mark.parametrize("t, e, k", [(0, 8, 2), (1, 8, 1), (37, 8, 3), (19, 200, 8), (33, 6, 5)])
+def test_topk_routing_kernel_matches_reference(case, t, e, k):
+    """The kernel's map, probs (bitwise, NaN/inf weights kept where a slot names them) and error counts are the
+    reference's; experts over several blocks (E=200), k not a power of two, int32 ids and BF16 weights."""
+    for dtype, int32 in ((torch.float32, False), (torch.bfloat16, True)):
+        idx, w = _topk_case(case, t, e, k, dtype)
+        idx = idx.int() if int32 else idx
+        got, want = kp.topk_routing(idx, w, e), ref.topk_routing(idx, w, e)
+        assert got[0].dtype == torch.bool and got[1].dtype == dtype and got[2].tolist() == [0, 0]
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32  # bitwise (-0.0 too), NaN payloads aside
+        nan = want[1].isnan()
+        assert torch.equal(got[1].isnan(), nan) and torch.equal(got[1].view(bits)[~nan], want[1].view(bits)[~nan])
+        if case == "special_values" and t > 1:
+            assert got[1][0, idx[0, 0]].isnan() and got[1][t - 1, idx[-1, -1]].isinf()
+
+
+def test_topk_routing_counts_bad_ids():
+    """``errors``: ids outside [-1, E) and (token, expert) pairs named twice, counted by kernel and reference
+    alike (several per token; ids far out of range clamp nowhere)."""
+    idx = torch.tensor([[0, 1, 2], [3, 3, -1], [-2, 9, 1], [2, 2, 2], [2 ** 40, 0, 0]], device=KERNEL_DEVICE)
+    w = torch.rand(5, 3, device=KERNEL_DEVICE)
+    for impl in (kp, ref):
+        assert impl.topk_routing(idx, w, 4)[2].tolist() == [3, 3], impl
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_deepep_topk_format_equals_the_mask(backend):
     t, e, k = 31, 8, 3
     idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
     idx[4, 1] = -1  # a slot not selected (an expert on another rank)
     w = torch.rand(t, k)
-    rm, probs = topk_to_routing_map(idx.to(KERNEL_DEVICE), w.to(KERNEL_DEVICE), e)
+    w_leaf = w.to(KERNEL_DEVICE).requires_grad_()
+    rm, probs = topk_to_routing_map(idx.to(KERNEL_DEVICE), w_leaf, e, backend=backend)
+    grad = torch.arange(t * e, dtype=torch.float32).view(t, e)
+    probs.backward(grad.to(KERNEL_DEVICE))  # each used slot gets its expert's gradient, an unused one 0
+    assert torch.equal(w_leaf.grad.cpu(), torch.where(idx >= 0, grad.gather(1, idx.clamp(min=0)), 0.0))
+    probs = probs.detach()
     mask = torch.zeros(t, e, dtype=torch.bool)
     dense = torch.zeros(t, e)
     for i in range(t):

@@ -47,6 +47,32 @@ def as_int(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _topk_routing_kernel(idx_ptr, w_ptr, map_ptr, probs_ptr, err_ptr, T, K, E, K_PAD: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Tokens ``[BLOCK_T]`` x experts ``[BLOCK_E]``: each routing map and probs entry from the token's k slots,
+    the duplicates counted there; the first expert block also counts the ids outside [-1, E)."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    slots = tl.arange(0, K_PAD)
+    in_slot = (rows[:, None] < T) & (slots[None, :] < K)
+    offs = rows[:, None].to(tl.int64) * K + slots[None, :]
+    ids = tl.load(idx_ptr + offs, mask=in_slot, other=-1).to(tl.int64)
+    w = tl.load(w_ptr + offs, mask=in_slot, other=0.0).to(tl.float32)
+    experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    hit = ids[:, :, None] == experts[None, None, :]
+    count = tl.sum(hit.to(tl.int32), axis=1)
+    # one term where valid, added to +0.0 as the reference's scatter into zeros adds it (a -0.0 weight gives +0.0)
+    prob = tl.sum(tl.where(hit, w[:, :, None], 0.0), axis=1) + 0.0
+    out = (rows[:, None] < T) & (experts[None, :] < E)
+    dest = rows[:, None].to(tl.int64) * E + experts[None, :]
+    tl.store(map_ptr + dest, (count > 0).to(tl.uint8), mask=out)
+    tl.store(probs_ptr + dest, prob.to(probs_ptr.dtype.element_ty), mask=out)
+    tl.atomic_add(err_ptr + 1, tl.sum(tl.sum(tl.where(out & (count > 1), 1, 0), axis=1), axis=0))
+    if tl.program_id(1) == 0:
+        bad = in_slot & ((ids < -1) | (ids >= E))
+        tl.atomic_add(err_ptr, tl.sum(tl.sum(tl.where(bad, 1, 0), axis=1), axis=0))
+
+
+@triton.jit
 def _chunk_counts_kernel(mask_ptr, counts_ptr, T, E, E_PAD: tl.constexpr, BLOCK_T: tl.constexpr):
     """counts[c, e] = tokens of chunk c (BLOCK_T tokens) routed to expert e."""
     c = tl.program_id(0)
@@ -252,6 +278,26 @@ def _dense(*tensors):
     """The tensors (None passes) contiguous, as every kernel here addresses them: a copy only of a view
     with other strides (expanded, sliced, transposed)."""
     return tuple(t.contiguous() if t is not None else None for t in tensors)
+
+
+def topk_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
+    """``topk_idx [T, k]`` int, ``topk_weights [T, k]`` float -> ``(routing_map [T, E] bool, probs [T, E],
+    errors [2] int32)`` as the reference's; one launch (and the errors' zeroing), no host sync."""
+    topk_idx, topk_weights = _dense(topk_idx, topk_weights)
+    t, k = topk_idx.shape
+    dev = topk_idx.device
+    routing_map = torch.empty((t, num_experts), dtype=torch.bool, device=dev)
+    probs = torch.empty((t, num_experts), dtype=topk_weights.dtype, device=dev)
+    errors = torch.zeros(2, dtype=torch.int32, device=dev)
+    if t * k == 0:
+        return routing_map.fill_(False), probs.zero_(), errors
+    k_pad = triton.next_power_of_2(k)
+    block_e = min(128, triton.next_power_of_2(num_experts))
+    block_t = max(1, min(64, 8192 // (k_pad * block_e)))
+    grid = (triton.cdiv(t, block_t), triton.cdiv(num_experts, block_e))
+    _topk_routing_kernel[grid](topk_idx, topk_weights, routing_map.view(torch.uint8), probs, errors, t, k,
+                               num_experts, K_PAD=k_pad, BLOCK_T=block_t, BLOCK_E=block_e, num_warps=4)
+    return routing_map, probs, errors
 
 
 def routing_layout(routing_map: torch.Tensor, align_size: int):

@@ -447,13 +447,33 @@ def _check_grad_quantize(args, merging_probs) -> None:
                          "token's scaled by its expert's prob, not a copy of the token's")
 
 
-def topk_to_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
+class _TopkRouting(torch.autograd.Function):
+    """``impl.topk_routing``, differentiable in the weights: each slot's gradient is its expert's probs gradient
+    (0 for an unused slot)."""
+
+    @staticmethod
+    def forward(ctx, topk_idx, topk_weights, num_experts, impl):
+        routing_map, probs, errors = impl.topk_routing(topk_idx, topk_weights, num_experts)
+        ctx.save_for_backward(topk_idx)
+        ctx.mark_non_differentiable(routing_map, errors)
+        return routing_map, probs, errors
+
+    @staticmethod
+    def backward(ctx, _, grad_probs, __):
+        (topk_idx,) = ctx.saved_tensors
+        grad = grad_probs.gather(1, topk_idx.long().clamp(min=0))
+        return None, torch.where(topk_idx >= 0, grad, 0.0), None, None
+
+
+def topk_to_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, *,
+                        backend: str = "auto"):
     """DeepEP's format -> ``(routing_map [T, E] bool, probs [T, E])``.
 
     ``topk_idx`` ``[T, k]`` int (-1: slot not selected, e.g. an expert on another
-    rank), ``topk_weights`` ``[T, k]`` float. Differentiable in ``topk_weights``
-    (the probs' gradient flows back to the selected slots). Out-of-range or
-    repeated ids raise ``ValueError`` on CPU and trip a device-side assert on the GPU.
+    rank), ``topk_weights`` ``[T, k]`` float (probs in its dtype). Differentiable in ``topk_weights``
+    (the probs' gradient flows back to the selected slots). One kernel (``topk_routing``) writes both and
+    counts bad ids: out-of-range or repeated ids raise ``ValueError`` on CPU and trip a device-side assert
+    on the GPU (no host sync).
     """
     if not isinstance(topk_idx, torch.Tensor) or topk_idx.dim() != 2 or topk_idx.dtype not in (
         torch.int32, torch.int64
@@ -463,16 +483,11 @@ def topk_to_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     topk_weights = _check_probs(topk_weights, topk_idx.shape, topk_idx.device, "topk_weights")
-    selected = topk_idx >= 0
-    check_on_device(((topk_idx >= -1) & (topk_idx < num_experts)).all(),
-                     f"topk_idx holds expert ids outside [-1, {num_experts})")
-    idx = topk_idx.long().clamp(min=0)
-    routing_map = torch.zeros((topk_idx.shape[0], num_experts), dtype=torch.int32, device=topk_idx.device)
-    routing_map.scatter_add_(1, idx, selected.int())
-    check_on_device((routing_map <= 1).all(), "topk_idx selects an expert twice for one token")
-    probs = torch.zeros((topk_idx.shape[0], num_experts), dtype=topk_weights.dtype, device=topk_idx.device)
-    probs = probs.scatter_add(1, idx, torch.where(selected, topk_weights, 0.0))
-    return routing_map > 0, probs
+    impl = implementation(backend, topk_idx, "topk_to_routing_map")
+    routing_map, probs, errors = _TopkRouting.apply(topk_idx, topk_weights, num_experts, impl)
+    check_on_device(errors[0] == 0, f"topk_idx holds expert ids outside [-1, {num_experts})")
+    check_on_device(errors[1] == 0, "topk_idx selects an expert twice for one token")
+    return routing_map, probs
 
 
 def routing_map_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int):

@@ -46,6 +46,24 @@ def make_row_id_map(routing_map: torch.Tensor) -> torch.Tensor:
     return torch.cat([rows, experts, m.sum(1, keepdim=True)], dim=1).to(torch.int32)
 
 
+def topk_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int):
+    """DeepEP's top-k format -> ``(routing_map [T, E] bool, probs [T, E], errors [2] int32)``.
+
+    ``topk_idx [T, k]`` int32/int64 expert ids (-1: an unused slot), ``topk_weights [T, k]`` float: ``probs[t, e]``
+    is the weight of token ``t``'s slot naming ``e`` (0 where no slot names it; an unused slot's weight is not
+    read), in the weights' dtype. ``errors[0]``: how many ids lie outside ``[-1, E)``; ``errors[1]``: how many
+    (token, expert) pairs more than one slot names; where either is nonzero the map and probs are meaningless
+    (the op turns them into errors). No host sync."""
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    idx = torch.where(valid, topk_idx, 0).long()
+    hits = torch.zeros((topk_idx.shape[0], num_experts), dtype=torch.int32, device=topk_idx.device)
+    hits.scatter_add_(1, idx, valid.int())
+    probs = torch.zeros((topk_idx.shape[0], num_experts), dtype=topk_weights.dtype, device=topk_idx.device)
+    probs.scatter_add_(1, idx, torch.where(valid, topk_weights, 0.0).to(topk_weights.dtype))
+    errors = torch.stack([((topk_idx < -1) | (topk_idx >= num_experts)).sum(), (hits > 1).sum()])
+    return hits > 0, probs, errors.to(torch.int32)
+
+
 def padding(tokens_per_expert: torch.Tensor, align_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(pad_offsets, padded_tokens_per_expert)``, int64 ``[E]``: each expert's rows padded up to a
     multiple of ``align_size`` (<= 1: no padding)."""
