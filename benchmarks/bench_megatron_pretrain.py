@@ -175,7 +175,9 @@ ERROR = re.compile(r"^\s*(?:\[rank\d+\]: )?[\w.]*(?:Error|Exception): .*$", re.M
 RERUN = re.compile(r"Unexpected result .*$", re.M)  # megatron.core.rerun_state_machine's
 PROBE_FIELDS = ("activation_mib_per_moe_layer", "activation_mib_moe_layers", "step_activation_peak_mib",
                 "probed_micro_batch", "activation_probe_note", "max_micro_batch", "max_micro_batch_capped",
-                "max_micro_batch_tries", "max_micro_batch_note", "activation_probe_error", "max_micro_batch_error")
+                "max_micro_batch_tries", "max_micro_batch_note", "activation_probe_error", "max_micro_batch_error",
+                "graph_pool_allocated_mib", "graph_pool_reserved_mib", "graph_pool_mib_per_moe_layer",
+                "graph_pool_error")
 
 
 def bench_lines(text: str) -> dict:
@@ -410,7 +412,8 @@ def write(table: str, rows: list[dict], env: dict) -> pathlib.Path:
         r.setdefault("vs_bf16_grouped_mm", None)
     columns = ["config", "variant", "status", "layers", "micro_batch_size", "micro_batches", "tokens_per_s_per_gpu",
                "vs_bf16_grouped_mm", "tokens_per_s_spread", "repeats", "call", "iter_ms", "max_allocated_mib",
-               "activation_mib_per_moe_layer", "step_activation_peak_mib", "max_micro_batch", "alloc_retries",
+               "activation_mib_per_moe_layer", "graph_pool_mib_per_moe_layer", "step_activation_peak_mib",
+               "max_micro_batch", "alloc_retries",
                "wall_s", "attention", "optimizer", "grad_accumulation", "experts", "error"]
     notes = (
         f"EP = {env['gpus']} GPUs; {env['path']}; mock data, sequence {SEQ}. Each iteration: `micro_batches` "
@@ -423,7 +426,9 @@ def write(table: str, rows: list[dict], env: dict) -> pathlib.Path:
         "optimizer step included). Measured inside Megatron's step in each variant's first run only (the other "
         "repeats run without probes): `activation_mib_per_moe_layer`: on the second micro-batch of the second "
         "iteration, per MoE layer, memory allocated when its forward returned minus when it started, less its "
-        "output's bytes (what the layer keeps for backward), averaged over the MoE layers; "
+        "output's bytes (what the layer keeps for backward), averaged over the MoE layers (with the expert path in"
+        " CUDA graphs it keeps them in the graphs' pools instead, allocated at capture: "
+        "`graph_pool_mib_per_moe_layer`, the pools' allocated MiB after the run over the MoE layers); "
         "`step_activation_peak_mib`: the most allocated during that micro-batch's forward and backward minus what "
         "was allocated before it; `max_micro_batch`: after the timed iterations (parameters, main grads and "
         "optimizer state held), the largest micro-batch size (sequences) whose forward and backward ran without "

@@ -39,7 +39,7 @@ import time
 import torch
 
 import kernel_profile
-from megatron_memory_probes import ActivationProbe, fits, largest_that_trains
+from megatron_memory_probes import ActivationProbe, fits, graph_pool_mib, largest_that_trains
 
 
 def parse_bench_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -180,11 +180,13 @@ def probed_train(train, bench: argparse.Namespace):
         from megatron.training import get_args
 
         probe = None
-        if bench.bench_probe_memory:
+        moe_layers = [m for m in model[0].modules() if isinstance(m, MoELayer)]
+        graphed = bool(getattr(get_args(), "moe_fp8_flow_cuda_graph", False))
+        if bench.bench_probe_memory and not graphed:
             micro_batches = get_num_microbatches()
             target = micro_batches + 1 if get_args().train_iters >= 2 else 1
             if micro_batches >= 2:
-                probe = ActivationProbe(model[0], [m for m in model[0].modules() if isinstance(m, MoELayer)], target)
+                probe = ActivationProbe(model[0], moe_layers, target)
             else:
                 report(dict(activation_probe_note="needs >= 2 micro-batches per iteration"))
         out = train(forward_step_func, model, optimizer, *args, **kwargs)
@@ -192,6 +194,10 @@ def probed_train(train, bench: argparse.Namespace):
         if probe is not None:
             probe.remove()
             report_safely("activation_probe", probe.result)
+        if bench.bench_probe_memory and graphed:  # activations live in the graphs' pools, allocated at capture
+            report(dict(activation_probe_note="expert path in CUDA graphs: its activations are held in the graphs' "
+                                              "memory pools for the run (graph_pool_mib_per_moe_layer)"))
+            report_safely("graph_pool", lambda: graph_pool_mib(torch.cuda.memory_snapshot(), len(moe_layers)))
         if bench.bench_max_micro_batch_cap:
             report_safely("max_micro_batch", lambda: max_micro_batch(model, bench.bench_max_micro_batch_cap))
         return out

@@ -1,6 +1,6 @@
 """Memory measured inside Megatron's training step (benchmark only; ``megatron_bench_entry.py`` installs them).
 
-Two measurements, in MiB (``torch.cuda.memory_allocated``: the caching allocator's live tensors, no
+Three measurements, in MiB (``torch.cuda.memory_allocated``: the caching allocator's live tensors, no
 synchronisation; the counters are arguments, so the logic is tested on the CPU with fakes):
 
 - ``ActivationProbe``: on one micro-batch of the run (``target``, counted in model forwards from 0; the
@@ -11,6 +11,8 @@ synchronisation; the counters are arguments, so the logic is tested on the CPU w
   the MoE layers). And **the step's activation peak** (``step_activation_peak_mib``): the most memory allocated
   between that micro-batch's forward start and the next micro-batch's forward start (its forward, loss,
   backward and gradient accumulation) minus what was allocated when it started.
+- ``graph_pool_mib``: with the expert path in CUDA graphs, what their private memory pools hold (the
+  activations a graphed layer keeps live there, allocated at capture), per MoE layer.
 - ``largest_that_trains``: the largest micro-batch size whose forward and backward run without
   ``torch.OutOfMemoryError``, by doubling from a size then bisecting, up to a cap. The entry runs it after the
   timed iterations, when the parameters, main gradients and optimizer state all exist (the memory a real step
@@ -90,6 +92,20 @@ class ActivationProbe:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+def graph_pool_mib(segments: list, moe_layers: int) -> dict:
+    """What CUDA graphs hold, from the caching allocator's ``segments`` (``torch.cuda.memory_snapshot()``): the
+    MiB allocated and reserved in segments of private pools (every pool but the default ``(0, 0)``: with
+    ``--moe-fp8-flow-cuda-graph`` the expert graphs', Megatron's own graphs being refused alongside), and the
+    allocated MiB per MoE layer. A graphed layer keeps its activations there, allocated once at capture and held
+    for the run, so ``ActivationProbe``'s difference around a forward does not see them: this is the figure."""
+    if moe_layers < 1:
+        raise ValueError(f"graph_pool_mib needs at least one MoE layer, got {moe_layers}")
+    private = [s for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)]
+    allocated = sum(s["allocated_size"] for s in private) / MIB
+    return dict(graph_pool_allocated_mib=allocated, graph_pool_reserved_mib=sum(s["total_size"] for s in private) / MIB,
+                graph_pool_mib_per_moe_layer=allocated / moe_layers)
 
 
 def fits(step: Callable[[], object]) -> bool:

@@ -138,3 +138,16 @@ def test_fits_lets_other_errors_through_and_bad_bounds_are_refused():
         fits(lambda: (_ for _ in ()).throw(ValueError("not memory")))
     with pytest.raises(ValueError, match="1 <= start <= cap"):
         largest_that_trains(lambda s: True, 8, 4)
+
+
+def test_graph_pools_are_the_segments_outside_the_default_pool():
+    from megatron_memory_probes import graph_pool_mib
+
+    segments = [dict(segment_pool_id=(0, 0), allocated_size=64 * MIB, total_size=100 * MIB),
+                dict(segment_pool_id=(0, 1), allocated_size=30 * MIB, total_size=40 * MIB),
+                dict(segment_pool_id=(0, 2), allocated_size=10 * MIB, total_size=20 * MIB)]
+    assert graph_pool_mib(segments, 4) == dict(graph_pool_allocated_mib=40.0, graph_pool_reserved_mib=60.0,
+                                               graph_pool_mib_per_moe_layer=10.0)
+    assert graph_pool_mib(segments[:1], 2)["graph_pool_allocated_mib"] == 0  # no graphs: nothing private
+    with pytest.raises(ValueError, match="at least one MoE layer, got 0"):
+        graph_pool_mib(segments, 0)
