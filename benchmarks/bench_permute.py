@@ -1,7 +1,8 @@
 """MoE permute+pad (FP8 rows, scales, probs) and unpermute+unpad (BF16 merge) on the GPU.
 
 DeepSeek-V3-like: hidden 7168, top-8, 4096 tokens over 256 experts and 16384
-tokens over 32 experts, align 128. Compares the fused ops (and their kernels
+tokens over 32 experts, align 128. Also the top-k to routing-map conversion
+(``topk_to_routing_map``, the ``topk_routing`` kernel). Compares the fused ops (and their kernels
 alone) with the copy bandwidth and with an unfused torch implementation
 (index_select of data, of scales and of probs, then padding by index_copy into
 a zeroed buffer; unpermute: index_select, multiply by probs, index_add in
@@ -20,8 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from transformer_engine_moe import moe_permute_and_pad_with_probs, moe_unpermute, quantize_blockwise
+from transformer_engine_moe import (moe_permute_and_pad_with_probs, moe_unpermute, quantize_blockwise,
+                                    topk_to_routing_map)
 from transformer_engine_moe.kernels import permute as kp
+from transformer_engine_moe.reference import permute as reference_permute
 
 import utils
 
@@ -123,6 +126,18 @@ def run_case(tokens: int, experts: int, copy_tbps: float) -> list[ExperimentResu
                                     host_us(exact), t_kernels * 1e3, 100 * required / t_kernels / 1e9 / copy_tbps,
                                     t_unfused * 1e3, t_unfused / t_exact))
 
+    # DeepEP's top-k format -> routing map and probs (FP8FlowMoE's _permute, every step), checks included
+    ids, weights = probs.topk(TOPK, dim=1)[::-1]
+    convert = lambda: topk_to_routing_map(ids, weights, experts)  # noqa: E731
+    got, want = convert(), reference_permute.topk_routing(ids, weights, experts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    required = tokens * TOPK * (8 + 4) + tokens * experts * (1 + 4)
+    t_fused, t_kernels = utils.time_ms(convert), utils.time_ms(lambda: kp.topk_routing(ids, weights, experts))
+    t_unfused = utils.time_ms(lambda: reference_permute.topk_routing(ids, weights, experts))
+    results.append(ExperimentResult("top-k to routing map", tokens, experts, required / 1e6, t_fused * 1e3,
+                                    host_us(convert), t_kernels * 1e3, 100 * required / t_kernels / 1e9 / copy_tbps,
+                                    t_unfused * 1e3, t_unfused / t_fused))
+
     # unpermute + unpad, BF16 expert outputs merged with the probs
     y = torch.randn(capacity, HIDDEN, device="cuda", dtype=torch.bfloat16)
     merged = moe_unpermute(y, rmap, probs, pad_offsets=pad)
@@ -176,7 +191,8 @@ def main():
             "where it exceeds fused_us' GPU share the op is launch-bound); host counts: tokens_per_expert "
             "as the dispatcher's host list, exact output size; kernels: the data-moving kernel and the zero fill, given the "
             "row_id_map; pct_of_copy: required bytes over the kernels' time. unfused: torch index_select / "
-            "index_copy / index_add from precomputed indices (their computation not timed). "
+            "index_copy / index_add from precomputed indices (their computation not timed); for the top-k "
+            "conversion the reference's torch formulation (scatters, counts) without the op's checks. "
             "Target: >= 75% of the copy bandwidth."
         ),
     )
