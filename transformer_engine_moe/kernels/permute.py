@@ -66,10 +66,14 @@ def _topk_routing_kernel(idx_ptr, w_ptr, map_ptr, probs_ptr, err_ptr, T, K, E, K
     dest = rows[:, None].to(tl.int64) * E + experts[None, :]
     tl.store(map_ptr + dest, (count > 0).to(tl.uint8), mask=out)
     tl.store(probs_ptr + dest, prob.to(probs_ptr.dtype.element_ty), mask=out)
-    tl.atomic_add(err_ptr + 1, tl.sum(tl.sum(tl.where(out & (count > 1), 1, 0), axis=1), axis=0))
+    # atomics only where there is something to count: on one address from every program they serialise
+    dups = tl.sum(tl.sum(tl.where(out & (count > 1), 1, 0), axis=1), axis=0)
+    if dups > 0:
+        tl.atomic_add(err_ptr + 1, dups)
     if tl.program_id(1) == 0:
-        bad = in_slot & ((ids < -1) | (ids >= E))
-        tl.atomic_add(err_ptr, tl.sum(tl.sum(tl.where(bad, 1, 0), axis=1), axis=0))
+        bad = tl.sum(tl.sum(tl.where(in_slot & ((ids < -1) | (ids >= E)), 1, 0), axis=1), axis=0)
+        if bad > 0:
+            tl.atomic_add(err_ptr, bad)
 
 
 @triton.jit
