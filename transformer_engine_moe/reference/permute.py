@@ -59,7 +59,7 @@ def topk_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts
     hits = torch.zeros((topk_idx.shape[0], num_experts), dtype=torch.int32, device=topk_idx.device)
     hits.scatter_add_(1, idx, valid.int())
     probs = torch.zeros((topk_idx.shape[0], num_experts), dtype=topk_weights.dtype, device=topk_idx.device)
-    probs.scatter_add_(1, idx, torch.where(valid, topk_weights, 0.0).to(topk_weights.dtype))
+    probs.scatter_add_(1, idx, torch.where(valid, topk_weights, 0.0))
     errors = torch.stack([((topk_idx < -1) | (topk_idx >= num_experts)).sum(), (hits > 1).sum()])
     return hits > 0, probs, errors.to(torch.int32)
 
