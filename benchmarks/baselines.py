@@ -45,20 +45,21 @@ class _BF16TokensMoE(FP8FlowMoE):
         twin.recompute = None
         return twin
 
-    def routed_experts(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch=None):
+    def _routed_experts(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing=None):
         if self.recompute is not None:
             raise ValueError(f"{type(self).__name__} runs without recompute; moe_expert is FP8-Flow's "
                              f"(got recompute={self.recompute!r})")
-        return super().routed_experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+        return super()._routed_experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing)
 
     def quantize(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
 
-    def experts(self, hidden, topk_ids, topk_probs, tokens_per_expert: list[int],
-                is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+    def _experts(self, hidden, topk_ids, topk_probs, tokens_per_expert: list[int],
+                 is_first_microbatch: Optional[bool] = None, routing=None) -> torch.Tensor:
         """BF16 ``hidden [R, H]``, local ``topk_ids``/``topk_probs [R, k]``, host ``tokens_per_expert`` ->
-        ``[R, H]`` BF16, with ``FP8FlowMoE.experts``'s permute+pad and unpermute."""
-        x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert)
+        ``[R, H]`` BF16, with ``FP8FlowMoE.experts``'s permute+pad (``routing``: the dispatch's) and unpermute."""
+        x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert,
+                                                                  routing)
         return moe_unpermute(self.mlp(x, probs, padded, is_first_microbatch), row_id_map, pad_offsets=pad_offsets)
 
     def mlp(self, x: torch.Tensor, probs: torch.Tensor, padded: list[int], is_first_microbatch) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import free_port
-from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise
+from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise, topk_to_routing_map
 from transformer_engine_moe.dispatch import (
     AllToAllTokenDispatcher,
     DispatchHandle,
@@ -288,6 +288,25 @@ def test_local_is_the_identity(fp8):
     (out_ref.float() * gout.float()).sum().backward()
     assert torch.equal(out, out_ref) and torch.equal(x.grad, h_ref.grad) and torch.equal(probs.grad, p_ref.grad)
     assert dispatcher.last_dispatch_bytes == dispatcher.last_combine_bytes == 0
+
+
+@pytest.mark.parametrize("host_counts", [True, False])
+def test_local_routing_is_the_ids_routing_map(world_of_one, host_counts):
+    """The local dispatcher's ``routing`` (from the kernel that checks the ids) is ``topk_to_routing_map`` of
+    the ids and probs it returns, gradients included, and its counts are the map's column sums; the exchanging
+    dispatchers give none."""
+    x, ids, probs = _inputs()
+    ids[3] = 2  # all of a token's slots on one expert but one: -1 is still allowed next to it
+    ids[3, 1] = -1
+    res = LocalTokenDispatcher(4, host_counts=host_counts).dispatch(x, ids, probs)
+    routing_map, ref_probs = topk_to_routing_map(ids, res.topk_probs, 4)
+    assert torch.equal(res.routing[0], routing_map) and torch.equal(res.routing[1], ref_probs)
+    counts = res.tokens_per_expert if host_counts else res.tokens_per_expert.tolist()
+    assert counts == routing_map.sum(0).tolist() == [int((ids == e).sum()) for e in range(4)]
+    g = torch.randn(ref_probs.shape)
+    (grad,) = torch.autograd.grad((res.routing[1] * g).sum(), probs)
+    assert torch.equal(grad, torch.where(ids >= 0, g.gather(1, ids.clamp(min=0)), 0.0))
+    assert get_dispatcher("alltoall", world_of_one, num_experts=4).dispatch(x, ids, probs).routing is None
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])

@@ -215,18 +215,43 @@ def test_weights_are_quantized_during_dispatch(monkeypatch, dispatcher, flag):
     reference = step(block, x, ids, probs)
     monkeypatch.undo()
     quantized, seen = [], []
-    real_quantize, real_dispatch, real_experts = grouped_linear.quantize_grouped_weight, block.dispatch, block.experts
+    real_quantize, real_dispatch, real_experts = grouped_linear.quantize_grouped_weight, block.dispatch, block._experts
     monkeypatch.setattr(grouped_linear, "quantize_grouped_weight",
                         lambda ws, *a, **kw: quantized.append("dispatch" if seen == ["dispatch"] else "elsewhere")
                         or real_quantize(ws, *a, **kw))
     monkeypatch.setattr(block, "dispatch", lambda *a: seen.append("dispatch") or real_dispatch(*a))
-    monkeypatch.setattr(block, "experts", lambda *a: seen.append(a[-1]) or real_experts(*a))
+    # _experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing): the forward's path
+    monkeypatch.setattr(block, "_experts", lambda *a: seen.append(a[4]) or real_experts(*a))
     monkeypatch.setattr(block, "forward_topk", lambda *a, first=block.forward_topk: first(*a, is_first_microbatch=flag))
     first = step(block, x, ids, probs)
     assert quantized == ["dispatch", "dispatch"] and seen == ["dispatch", flag]
     for u, v in zip(reference[:3], first[:3]):
         assert torch.equal(u, v)
     for us, vs in zip(reference[3:5], first[3:5]):
+        assert all(torch.equal(u, v) for u, v in zip(us, vs))
+
+
+@pytest.mark.parametrize("recompute", [None, "moe_expert"])
+def test_the_ids_are_converted_to_a_routing_map_once(monkeypatch, recompute):
+    """A forward converts the top-k ids to a routing map once, in the local dispatcher, where the same kernel checks
+    them; the permute takes that map (``DispatchResult.routing``). ``moe_expert``'s region converts them itself
+    (it keeps the [T, k] ids, not the [T, E] map): once more in the forward and once in the rerun. Results bit
+    for bit those of a block that converts in its permute (a direct ``experts`` call)."""
+    import transformer_engine_moe.ops.permute as permute
+
+    calls = []
+    real = permute._TopkRouting.apply
+    monkeypatch.setattr(permute._TopkRouting, "apply", lambda *a: calls.append(1) or real(*a))
+    block, _ = pair(recompute=recompute)
+    x, ids, probs = batch(11)
+    got = step(block, x, ids, probs)
+    assert len(calls) == (1 if recompute is None else 3)
+    reference = block.experts  # the phases without the dispatch's map: permute converts the ids
+    monkeypatch.setattr(block, "_routed_experts", lambda h, i, p, n, f, routing: reference(h, i, p, n, f))
+    want = step(block, x, ids, probs)
+    for u, v in zip(want[:3], got[:3]):
+        assert torch.equal(u, v)
+    for us, vs in zip(want[3:5], got[3:5]):
         assert all(torch.equal(u, v) for u, v in zip(us, vs))
 
 
@@ -273,7 +298,7 @@ def test_weights_prefetched_by_a_forward_that_raised_are_dropped(monkeypatch, ph
     if phase == "dispatch":
         monkeypatch.setattr(block.dispatcher, "dispatch", lambda *a: a[-1]() or 1 / 0)
     else:
-        monkeypatch.setattr(block, "experts", lambda *a: 1 / 0)
+        monkeypatch.setattr(block, "_experts", lambda *a: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         block.forward_topk(x, ids, probs)
     h = torch.randn(128, H).bfloat16()

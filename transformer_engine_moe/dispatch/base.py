@@ -64,6 +64,10 @@ class DispatchResult:
     ``tokens_per_expert``: received slots per local expert: a host list of E_local ints (an int64
     device tensor ``[E_local]`` from ``LocalTokenDispatcher(host_counts=False)``).
     ``handle``: pass to ``combine``.
+    ``routing``: ``(routing_map [R, E_local] bool, probs [R, E_local] float32)``, ``topk_ids`` and ``topk_probs``
+    as ``ops.topk_to_routing_map`` converts them, where the dispatcher made it to check the ids (the local
+    dispatcher: one kernel checks them and writes the map); ``FP8FlowMoE`` permutes with it instead of
+    converting the ids again. None from the exchanging dispatchers.
     """
 
     hidden: Hidden
@@ -71,6 +75,7 @@ class DispatchResult:
     topk_probs: torch.Tensor
     tokens_per_expert: Union[list[int], torch.Tensor]
     handle: DispatchHandle
+    routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 def host_list(counts: torch.Tensor, before_host_wait: Optional[Callable[[], object]] = None) -> list[int]:
@@ -162,8 +167,12 @@ def check_ep_group(ep_group) -> None:
                         f"Megatron's expert-parallel group), got {type(ep_group).__name__} {ep_group!r}")
 
 
-def check_dispatch_inputs(hidden, topk_ids, topk_probs, num_experts: int, before_host_wait=None) -> None:
-    """Raise TypeError/ValueError naming the bad argument of ``dispatch``."""
+def check_dispatch_inputs(hidden, topk_ids, topk_probs, num_experts: int, before_host_wait=None,
+                          check_ids: bool = True) -> None:
+    """Raise TypeError/ValueError naming the bad argument of ``dispatch``: types, dtypes, shapes and devices on the
+    host; with ``check_ids`` the ids' values on the device (``check_on_device``: in ``[-1, num_experts)``, no
+    expert twice for one token). ``check_ids=False``: the caller checks the values itself, with the same
+    messages (the local dispatcher, through the routing-map kernel's counts of bad ids)."""
     if before_host_wait is not None and not callable(before_host_wait):
         raise TypeError(f"before_host_wait must be None or a callable taking no arguments, got {before_host_wait!r}")
     if isinstance(hidden, Float8BlockwiseQTensor):
@@ -186,6 +195,8 @@ def check_dispatch_inputs(hidden, topk_ids, topk_probs, num_experts: int, before
             f"hidden, topk_ids and topk_probs must share a device, got {hidden.device}, {topk_ids.device}, "
             f"{topk_probs.device}"
         )
+    if not check_ids:
+        return
     check_on_device(((topk_ids >= -1) & (topk_ids < num_experts)).all(),
                      f"topk_ids holds expert ids outside [-1, num_experts={num_experts})")
     # an expert twice for one token was once sent (and counted in tokens_per_expert) twice; sorted ids: neighbours

@@ -18,8 +18,8 @@ from .base import (
     check_ep_group,
     host_list,
     mask_foreign_slots,
-    slots_per_expert,
 )
+from ..ops.permute import checked_topk_routing
 
 
 class LocalTokenDispatcher(TokenDispatcher):
@@ -31,6 +31,10 @@ class LocalTokenDispatcher(TokenDispatcher):
     ``tokens_per_expert`` is a host list, one device-to-host copy (a host sync) per dispatch, so that
     the block sizes its buffers exactly and may use the cuBLAS and DeepGEMM wgrad backends; False: it
     stays an int64 device tensor ``[E]``: no host sync, CUDA-graph capturable.
+
+    The ids are checked on the device by the kernel that also writes their routing map (``topk_routing``), and the
+    counts are the map's column sums, all queued before the host waits for the counts; the result carries the map
+    (``DispatchResult.routing``), so ``FP8FlowMoE``'s permute does not convert the ids again.
     """
 
     def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None, host_counts: bool = True):
@@ -47,15 +51,16 @@ class LocalTokenDispatcher(TokenDispatcher):
 
     def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
                  before_host_wait: Optional[Callable[[], object]] = None) -> DispatchResult:
-        check_dispatch_inputs(hidden, topk_ids, topk_probs, self.num_experts, before_host_wait)
+        check_dispatch_inputs(hidden, topk_ids, topk_probs, self.num_experts, before_host_wait, check_ids=False)
         handle = DispatchHandle(None, hidden.shape[0], hidden.shape[0], isinstance(hidden, Float8BlockwiseQTensor))
-        counts = slots_per_expert(topk_ids, self.num_experts)
         probs = mask_foreign_slots(topk_ids, topk_probs)
+        routing = checked_topk_routing(topk_ids, probs, self.num_experts, "auto", "topk_ids")
+        counts = routing[0].sum(0)
         if self.host_counts:
             counts = host_list(counts, before_host_wait)
         elif before_host_wait is not None:
             before_host_wait()
-        return DispatchResult(hidden, topk_ids, probs, counts, handle)
+        return DispatchResult(hidden, topk_ids, probs, counts, handle, routing)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         check_combine_input(x, handle)

@@ -164,7 +164,12 @@ class FP8FlowMoE(nn.Module):
         """Received ``hidden [R, H]`` (1x128 FP8), local ``topk_ids``/``topk_probs [R, k]`` and
         ``tokens_per_expert`` (host list, or device tensor: ``_permute``) -> ``[R, H]`` BF16 (each token's
         prob-weighted sum over local experts)."""
-        y, row_id_map, pad_offsets = self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+        return self._experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+
+    def _experts(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing=None):
+        """``experts``, permuting with ``routing`` (``DispatchResult.routing``) where given."""
+        y, row_id_map, pad_offsets = self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch,
+                                               routing=routing)
         return self._unpermute(y, row_id_map, pad_offsets)
 
     def _unpermute(self, y: torch.Tensor, row_id_map: torch.Tensor, pad_offsets) -> torch.Tensor:
@@ -176,11 +181,14 @@ class FP8FlowMoE(nn.Module):
         return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets,
                              grad_quantize=None if args.amax_epsilon else args)
 
-    def _mlp(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, rerun: bool = False):
+    def _mlp(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, rerun: bool = False,
+             routing=None):
         """``experts`` up to fc2: -> ``(y [M, H] BF16 in the permuted, padded layout, row_id_map, pad_offsets)``.
         ``rerun``: the ``moe_expert`` rerun, which regenerates only what backward reads: fc2 saves its input's
-        transpose and runs no GEMM (``GroupedLinear.recompute_saved_input``); returns None."""
-        x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert)
+        transpose and runs no GEMM (``GroupedLinear.recompute_saved_input``); returns None. ``routing``:
+        ``_permute``'s."""
+        x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert,
+                                                                  routing)
         h = self.linear_fc1(x, padded, is_first_microbatch)
         # its backward hands fc1 the gradient quantized: bitwise what fc1 quantizes (amax_epsilon 0, as the kernel's)
         act = weighted_swiglu_quant(h, probs, self.recipe, quantize_grad=not self.recipe.amax_epsilon)
@@ -201,10 +209,16 @@ class FP8FlowMoE(nn.Module):
         no fc2 weights. fc1 reads the FP8 weights the forward cached (``is_first_microbatch`` True or False)
         or quantizes W alone again (None: backward takes the W^T the first pass kept; the rerun's own
         autograd state is dropped)."""
+        return self._routed_experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+
+    def _routed_experts(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing=None):
+        """``routed_experts``, permuting with the dispatch's ``routing`` where given. Not inside the ``moe_expert``
+        recompute: its region keeps its inputs until backward, and the ``[R, k]`` ids are smaller than the
+        ``[R, E]`` map and probs, so the region converts the ids itself."""
         try:
             self.prefetch_fp8_weights(is_first_microbatch)
             if self.recompute != "moe_expert":
-                return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+                return self._experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing)
             # no RNG state kept: the experts draw no random numbers, and reading the CUDA generator's state is
             # refused inside a CUDA graph capture (GraphedFP8FlowMoE captures this checkpoint)
             y, row_id_map, pad_offsets = torch.utils.checkpoint.checkpoint(
@@ -232,18 +246,19 @@ class FP8FlowMoE(nn.Module):
 
         return mlp
 
-    def _permute(self, hidden, topk_ids, topk_probs, tokens_per_expert):
+    def _permute(self, hidden, topk_ids, topk_probs, tokens_per_expert, routing=None):
         """-> ``(x [M, H], probs [M], row_id_map, pad_offsets, m_splits)``, each expert's rows padded to
         ``align_size``. Host counts: M is the padded total, ``m_splits`` a host list. A device tensor of
         counts: M is the worst case ``round_up(R*k + E*(a-1), a)``, fixed by the shapes (a CUDA graph's
         static buffer), and ``m_splits`` the E padded counts on the device and the slack (zero rows, a
         multiple of ``a``) as a trailing weightless group: the GEMMs write zeros there without computing
-        them, and wgrad never reads them (``ops.grouped_gemm``)."""
+        them, and wgrad never reads them (``ops.grouped_gemm``). ``routing``: ``DispatchResult.routing`` of these
+        ids and probs, taken instead of converting them (``topk_to_routing_map``) again."""
         a, e = self.align_size, self.num_local_experts
         if not isinstance(tokens_per_expert, (list, tuple, torch.Tensor)):  # None: once "not iterable" below
             raise TypeError(f"tokens_per_expert must be the dispatch's host list of {e} ints or its [{e}] device "
                             f"tensor, got {type(tokens_per_expert).__name__}")
-        routing_map, probs = topk_to_routing_map(topk_ids, topk_probs, e)
+        routing_map, probs = topk_to_routing_map(topk_ids, topk_probs, e) if routing is None else routing
         if not isinstance(tokens_per_expert, torch.Tensor):
             x, probs, row_id_map, pad_offsets, _ = moe_permute_and_pad_with_probs(
                 hidden, probs, routing_map, list(tokens_per_expert), a)
@@ -313,7 +328,8 @@ class FP8FlowMoE(nn.Module):
         except BaseException:  # weights prefetched for a forward that raised are never used later
             self.drop_prefetched_fp8_weights()
             raise
-        y = self.routed_experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert, is_first_microbatch)
+        y = self._routed_experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert, is_first_microbatch,
+                                 res.routing)
         return self.combine(y, res.handle)
 
 

@@ -483,10 +483,18 @@ def topk_to_routing_map(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
         raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
     topk_weights = _check_probs(topk_weights, topk_idx.shape, topk_idx.device, "topk_weights")
+    return checked_topk_routing(topk_idx, topk_weights, num_experts, backend, "topk_idx")
+
+
+def checked_topk_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, backend: str,
+                         name: str):
+    """``topk_to_routing_map`` on arguments whose types, shapes and devices are checked: the kernel, then its
+    counts of bad ids as device-side checks whose messages name the ids ``name`` (a dispatcher's
+    ``topk_ids``)."""
     impl = implementation(backend, topk_idx, "topk_to_routing_map")
     routing_map, probs, errors = _TopkRouting.apply(topk_idx, topk_weights, num_experts, impl)
-    check_on_device(errors[0] == 0, f"topk_idx holds expert ids outside [-1, {num_experts})")
-    check_on_device(errors[1] == 0, "topk_idx selects an expert twice for one token")
+    check_on_device(errors[0] == 0, f"{name} holds expert ids outside [-1, num_experts={num_experts})")
+    check_on_device(errors[1] == 0, f"{name} names an expert twice for one token")
     return routing_map, probs
 
 
