@@ -6,6 +6,8 @@ import torch
 from conftest import interpreter_only, requires_cuda, survives
 from transformer_engine_moe import quantize_blockwise
 from transformer_engine_moe.layout import (
+    HostSplits,
+    all_multiples_of,
     check_m_splits,
     column_block_of_row,
     columnwise_data_shape,
@@ -94,6 +96,34 @@ def test_bad_m_splits(splits, exc, match):
 
 def test_good_host_m_splits_come_back_as_a_list():
     assert check_m_splits((0, 300, 0), 300) == [0, 300, 0] and check_m_splits([300], 300) == [300]
+
+
+def test_host_splits_are_checked_once_and_read_only():
+    """``HostSplits``: checked when made (ints >= 0, non-empty), its total and column blocks cached; ``check_m_splits``
+    and ``own_m_splits`` return it as it is (only the total compared with M), ``num_column_blocks`` reads it; every
+    write is refused (what the checks cached would go stale); copies are itself, pickling keeps the type."""
+    import copy
+    import pickle
+
+    sizes = [0, 128, 300, 1, 256]
+    splits = HostSplits(sizes)
+    assert splits == sizes and splits.total == 685 and num_column_blocks(685, splits) == 0 + 1 + 3 + 1 + 2
+    assert check_m_splits(splits, 685) is splits and own_m_splits(splits, 685).values is splits
+    assert num_column_blocks(685, splits) == num_column_blocks(685, sizes)
+    assert all_multiples_of(splits, 1) and not all_multiples_of(splits, 128) and not splits.multiple_of(128)
+    assert all_multiples_of(HostSplits([0, 256, 128]), 128) and all_multiples_of([0, 256, 128], 128)
+    with pytest.raises(ValueError, match=r"m_splits must be non-empty, >= 0 and sum to M=684, got \[0, 128, 300, 1"):
+        check_m_splits(splits, 684)
+    for write in (lambda s: s.append(1), lambda s: s.__setitem__(0, 5), lambda s: s.pop(), lambda s: s.sort(),
+                  lambda s: s.extend([1]), lambda s: s.__delitem__(0), lambda s: s.__iadd__([1])):
+        with pytest.raises(TypeError, match="HostSplits is read-only"):
+            write(splits)
+    assert splits == sizes and copy.copy(splits) is splits and copy.deepcopy(splits) is splits
+    back = pickle.loads(pickle.dumps(splits))
+    assert type(back) is HostSplits and back == sizes and back.total == 685
+    for bad, exc in (([], ValueError), ([1, -1], ValueError), ([1, 2.0], TypeError), ([True], TypeError)):
+        with pytest.raises(exc, match="HostSplits"):
+            HostSplits(bad)
 
 
 def test_te_adapters_round_trip():

@@ -97,15 +97,64 @@ def check_on_device(cond: torch.Tensor, message: str) -> None:
         torch._assert_async(cond, message)
 
 
+class HostSplits(list):
+    """Group sizes on the host, checked once: a read-only list of ints >= 0 (a write raises TypeError) with its
+    ``total`` and ``column_blocks`` (``num_column_blocks``) computed when made. ``check_m_splits`` and
+    ``own_m_splits`` take one in O(1) (its total compared with M; kept as it is, no copy), and the size rules
+    read its cached facts (``multiple_of``): ``FP8FlowMoE``'s permute makes its padded splits once per step,
+    and the GEMMs, transposes and FP8 tensors after it check them without walking the E sizes again (about
+    twenty walks of 128 sizes per step, host time on the forward's critical path)."""
+
+    def __init__(self, sizes):
+        super().__init__(sizes)
+        if not all(type(s) is int for s in self):
+            raise TypeError(f"HostSplits takes ints, got {[type(s).__name__ for s in self if type(s) is not int][:1]}")
+        if not self or min(self) < 0:
+            raise ValueError(f"HostSplits must be non-empty and >= 0, got {list(self)}")
+        self.total = sum(self)
+        self.column_blocks = sum(-(-s // BLOCK_SIZE) for s in self)
+        self._multiple_of = {}
+
+    def multiple_of(self, n: int) -> bool:
+        """Whether every size is a multiple of ``n`` (computed once per ``n``)."""
+        if n not in self._multiple_of:
+            self._multiple_of[n] = all(s % n == 0 for s in self)
+        return self._multiple_of[n]
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("HostSplits is read-only (its checks and totals are cached): change a copy, list(splits)")
+
+    append = extend = insert = pop = remove = clear = sort = reverse = _read_only
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
+
+    def __reduce__(self):
+        return HostSplits, (list(self),)
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def all_multiples_of(m_splits: Sequence[int], n: int) -> bool:
+    """Whether every host size is a multiple of ``n`` (a ``HostSplits``' cached answer)."""
+    return m_splits.multiple_of(n) if type(m_splits) is HostSplits else all(s % n == 0 for s in m_splits)
+
+
 def check_m_splits(m_splits: MSplits, m: int, name: str = "m_splits", device=None) -> MSplits:
     """Validate group sizes for M rows: None, a host sequence of ints >= 0 summing to M, or a 1-D
     integer tensor of the same (checked with ``check_on_device``: no host sync on the GPU). Every op
     taking splits checks them here: a negative size whose sum is still M would make the kernels and
     the references index out of bounds. ``device``: where the rows live (a tensor of splits must be
-    there too). Returns a new list, or the tensor itself (``own_m_splits`` makes the copy a stored tensor
-    needs)."""
+    there too). Returns a new list, a ``HostSplits`` itself (read-only, checked when made: only its total is
+    compared), or the tensor itself (``own_m_splits`` makes the copy a stored tensor needs)."""
     if m_splits is None:
         return None
+    if type(m_splits) is HostSplits:
+        if m_splits.total != m:
+            raise ValueError(f"{name} must be non-empty, >= 0 and sum to M={m}, got {list(m_splits)}")
+        return m_splits
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dim() != 1 or m_splits.dtype not in (torch.int32, torch.int64) or m_splits.numel() == 0:
             raise TypeError(
@@ -162,6 +211,8 @@ def num_column_blocks(m: int, m_splits: MSplits) -> int:
     """Rows of the 128x1 columnwise scale_inv of M rows split into groups ``m_splits``."""
     if m_splits is None:
         return -(-m // BLOCK_SIZE)
+    if type(m_splits) is HostSplits:
+        return m_splits.column_blocks
     if isinstance(m_splits, torch.Tensor):
         return m // BLOCK_SIZE + m_splits.numel()
     return sum(-(-s // BLOCK_SIZE) for s in m_splits)

@@ -231,6 +231,21 @@ def test_weights_are_quantized_during_dispatch(monkeypatch, dispatcher, flag):
         assert all(torch.equal(u, v) for u, v in zip(us, vs))
 
 
+def test_permute_makes_the_padded_splits_once_as_host_splits():
+    """With host counts the permute's padded splits are a ``HostSplits`` (checked once; every op after reads its
+    cached total); the forward's results are bit for bit those of the same splits as a plain list."""
+    from transformer_engine_moe.layout import HostSplits
+
+    block, _ = pair()
+    x, ids, probs = batch(12)
+    res = block.dispatch(block.quantize(x), ids, probs)
+    out = block._permute(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert, res.routing)
+    padded = out[4]
+    assert type(padded) is HostSplits and padded == [-(-c // 128) * 128 for c in res.tokens_per_expert]
+    h = block.linear_fc1(out[0], padded)
+    assert torch.equal(h, block.linear_fc1(out[0], list(padded)))
+
+
 @pytest.mark.parametrize("recompute", [None, "moe_expert"])
 def test_the_ids_are_converted_to_a_routing_map_once(monkeypatch, recompute):
     """A forward converts the top-k ids to a routing map once, in the local dispatcher, where the same kernel checks

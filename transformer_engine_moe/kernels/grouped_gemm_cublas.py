@@ -27,6 +27,7 @@ import contextlib
 import torch
 
 from . import cublaslt
+from ..layout import all_multiples_of
 
 # Rows per group of the fprop/dgrad: 16-byte aligned scale blocks (TransformerEngine asks 8 rows of a 1x128-scaled
 # cuBLAS operand; its MoE pads experts' rows to 16 for FP8, FP8FlowMoE to 128).
@@ -67,14 +68,14 @@ def supports(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits, out_dtype: to
     """Whether the cuBLAS fprop/dgrad can run (given ``cublaslt.available``): not both operands E5M2, host splits,
     each a multiple of ``ROW_ALIGNMENT``, BF16 or float32 out."""
     return (not a_dtype == b_dtype == torch.float8_e5m2 and isinstance(m_splits, (list, tuple))
-            and all(s % ROW_ALIGNMENT == 0 for s in m_splits) and out_dtype in (torch.bfloat16, torch.float32))
+            and all_multiples_of(m_splits, ROW_ALIGNMENT) and out_dtype in (torch.bfloat16, torch.float32))
 
 
 def supports_wgrad(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits) -> bool:
     """Whether the cuBLAS wgrad can run (given ``cublaslt.available``): not both operands E5M2 (cuBLAS's FP8
     pairs), host splits, each a multiple of 128 (whole 1x128 blocks)."""
     return (not a_dtype == b_dtype == torch.float8_e5m2 and isinstance(m_splits, (list, tuple))
-            and all(s % 128 == 0 for s in m_splits))
+            and all_multiples_of(m_splits, 128))
 
 
 def _padded_blocks(b_scale_inv: torch.Tensor) -> torch.Tensor:

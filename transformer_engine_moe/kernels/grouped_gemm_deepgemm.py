@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from ..layout import check_on_device, m_splits_tensor, row_groups
+from ..layout import all_multiples_of, check_on_device, m_splits_tensor, row_groups
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,8 +72,7 @@ def _aligned(m_splits) -> bool:
     (asked once: it calls into DeepGEMM)."""
     if isinstance(m_splits, torch.Tensor):
         return True
-    align = alignment()
-    return all(s % align == 0 for s in m_splits)
+    return all_multiples_of(m_splits, alignment())
 
 
 def supports(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits, out_dtype: torch.dtype) -> bool:

@@ -42,6 +42,7 @@ from torch import nn
 
 from ..dispatch import get_dispatcher
 from ..dispatch.base import check_ep_group
+from ..layout import HostSplits
 from ..ops.permute import (
     moe_permute_and_pad_with_probs,
     moe_unpermute,
@@ -248,7 +249,8 @@ class FP8FlowMoE(nn.Module):
 
     def _permute(self, hidden, topk_ids, topk_probs, tokens_per_expert, routing=None):
         """-> ``(x [M, H], probs [M], row_id_map, pad_offsets, m_splits)``, each expert's rows padded to
-        ``align_size``. Host counts: M is the padded total, ``m_splits`` a host list. A device tensor of
+        ``align_size``. Host counts: M is the padded total, ``m_splits`` a host list (a ``HostSplits``: checked
+        here, once per step, for every op after). A device tensor of
         counts: M is the worst case ``round_up(R*k + E*(a-1), a)``, fixed by the shapes (a CUDA graph's
         static buffer), and ``m_splits`` the E padded counts on the device and the slack (zero rows, a
         multiple of ``a``) as a trailing weightless group: the GEMMs write zeros there without computing
@@ -262,7 +264,9 @@ class FP8FlowMoE(nn.Module):
         if not isinstance(tokens_per_expert, torch.Tensor):
             x, probs, row_id_map, pad_offsets, _ = moe_permute_and_pad_with_probs(
                 hidden, probs, routing_map, list(tokens_per_expert), a)
-            return x, probs, row_id_map, pad_offsets, [-(-c // a) * a for c in tokens_per_expert]
+            padded = [-(-c // a) * a for c in tokens_per_expert]
+            # a plain list for torch.compile (which traces the checks once, not per step)
+            return x, probs, row_id_map, pad_offsets, padded if torch.compiler.is_compiling() else HostSplits(padded)
         slack = e * (a - 1)
         rows = -(-(topk_ids.numel() + slack) // a) * a
         x, probs, row_id_map, pad_offsets, padded = moe_permute_and_pad_with_probs(

@@ -42,7 +42,7 @@ import torch
 
 from ..backend import IMPLEMENTATIONS, Implementation, implementation
 from ..kernels import cublaslt, grouped_gemm_cublas as cublas, grouped_gemm_deepgemm as deepgemm  # no Triton import
-from ..layout import MSplits, check_m_splits
+from ..layout import HostSplits, MSplits, check_m_splits
 from ..recipe import check_bool
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
@@ -74,7 +74,7 @@ def cublas_pays(kind: str, m_splits: list, weight_elements: int) -> bool:
     list) with ``[N, K]`` expert weights of ``weight_elements``: the experts average at least
     ``CUBLAS_MIN_MEAN_ROWS[kind]`` rows and that many rows of a ``CUBLAS_MIN_WEIGHT`` weight's work."""
     rows = CUBLAS_MIN_MEAN_ROWS[kind]
-    total = sum(m_splits)
+    total = m_splits.total if type(m_splits) is HostSplits else sum(m_splits)
     return total >= rows * len(m_splits) and total * weight_elements >= rows * CUBLAS_MIN_WEIGHT * len(m_splits)
 
 
