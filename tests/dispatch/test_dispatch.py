@@ -25,6 +25,7 @@ from transformer_engine_moe.dispatch import (
     get_dispatcher,
 )
 from transformer_engine_moe.dispatch.base import slots_per_expert
+from transformer_engine_moe.ops import PermuteLayout, permute_layout
 
 WORLD = 4
 EP_SIZES = [2, 4]
@@ -293,8 +294,8 @@ def test_local_is_the_identity(fp8):
 @pytest.mark.parametrize("host_counts", [True, False])
 def test_local_routing_is_the_ids_routing_map(world_of_one, host_counts):
     """The local dispatcher's ``routing`` (from the kernel that checks the ids) is ``topk_to_routing_map`` of
-    the ids and probs it returns, gradients included, and its counts are the map's column sums; the exchanging
-    dispatchers give none."""
+    the ids and probs it returns, gradients included, and its counts are the map's column sums; with an
+    ``align_size`` it also holds the map's ``permute_layout``; the exchanging dispatchers give none."""
     x, ids, probs = _inputs()
     ids[3] = 2  # all of a token's slots on one expert but one: -1 is still allowed next to it
     ids[3, 1] = -1
@@ -306,7 +307,14 @@ def test_local_routing_is_the_ids_routing_map(world_of_one, host_counts):
     g = torch.randn(ref_probs.shape)
     (grad,) = torch.autograd.grad((res.routing[1] * g).sum(), probs)
     assert torch.equal(grad, torch.where(ids >= 0, g.gather(1, ids.clamp(min=0)), 0.0))
+    assert res.routing[2] is None  # no align_size: no permute layout
     assert get_dispatcher("alltoall", world_of_one, num_experts=4).dispatch(x, ids, probs).routing is None
+    padded = LocalTokenDispatcher(4, host_counts=host_counts, align_size=16).dispatch(x, ids, probs)
+    layout = padded.routing[2]
+    assert isinstance(layout, PermuteLayout) and layout.routing_map is padded.routing[0] and layout.align_size == 16
+    want = permute_layout(routing_map, 16)
+    assert all(torch.equal(a, b) for a, b in zip(layout[3:], want[3:]))
+    assert (padded.tokens_per_expert if host_counts else padded.tokens_per_expert.tolist()) == counts
 
 
 @pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])

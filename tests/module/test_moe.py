@@ -249,18 +249,23 @@ def test_permute_makes_the_padded_splits_once_as_host_splits():
 @pytest.mark.parametrize("recompute", [None, "moe_expert"])
 def test_the_ids_are_converted_to_a_routing_map_once(monkeypatch, recompute):
     """A forward converts the top-k ids to a routing map once, in the local dispatcher, where the same kernel checks
-    them; the permute takes that map (``DispatchResult.routing``). ``moe_expert``'s region converts them itself
+    them; the permute takes that map and its layout (``DispatchResult.routing``). ``moe_expert``'s region converts them itself
     (it keeps the [T, k] ids, not the [T, E] map): once more in the forward and once in the rerun. Results bit
     for bit those of a block that converts in its permute (a direct ``experts`` call)."""
+    import transformer_engine_moe.module.moe as moe
     import transformer_engine_moe.ops.permute as permute
 
-    calls = []
-    real = permute._TopkRouting.apply
+    calls, layouts = [], []
+    real, real_permute = permute._TopkRouting.apply, moe.moe_permute_and_pad_with_probs
     monkeypatch.setattr(permute._TopkRouting, "apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(moe, "moe_permute_and_pad_with_probs",
+                        lambda *a, **kw: layouts.append(kw["layout"] is not None) or real_permute(*a, **kw))
     block, _ = pair(recompute=recompute)
     x, ids, probs = batch(11)
     got = step(block, x, ids, probs)
     assert len(calls) == (1 if recompute is None else 3)
+    # the permute takes the layout the dispatcher queued before its host wait (not moe_expert's region)
+    assert layouts == ([True] if recompute is None else [False, False])
     reference = block.experts  # the phases without the dispatch's map: permute converts the ids
     monkeypatch.setattr(block, "_routed_experts", lambda h, i, p, n, f, routing: reference(h, i, p, n, f))
     want = step(block, x, ids, probs)

@@ -90,8 +90,11 @@ def test_local_dispatcher_device_counts():
      "device_splits=True needs the 'local' dispatcher, got 'alltoall'"),
     (lambda: FP8FlowMoE(E, H, FFN, K, device_splits=1), TypeError, "device_splits must be a bool, got 1"),
     (lambda: LocalTokenDispatcher(E, host_counts="no"), TypeError, "host_counts must be a bool"),
-    (lambda: get_dispatcher("local", num_experts=E, num_nvl_bytes=1), ValueError, r"only option is host_counts"),
-], ids=["alltoall", "not-bool", "dispatcher-not-bool", "dispatcher-option"])
+    (lambda: get_dispatcher("local", num_experts=E, num_nvl_bytes=1), ValueError,
+     r"its options are host_counts and align_size, got \['num_nvl_bytes'\]"),
+    (lambda: LocalTokenDispatcher(E, align_size=0), ValueError, "align_size must be None or a positive int .* got 0"),
+    (lambda: LocalTokenDispatcher(E, align_size=True), ValueError, "align_size must be None or a positive int"),
+], ids=["alltoall", "not-bool", "dispatcher-not-bool", "dispatcher-option", "align-zero", "align-bool"])
 def test_bad_arguments(make, exc, match):
     with pytest.raises(exc, match=match):
         make()

@@ -16,6 +16,7 @@ from transformer_engine_moe import (
     topk_to_routing_map,
 )
 from transformer_engine_moe.kernels import permute as kp
+from transformer_engine_moe.ops import PermuteLayout, permute_layout
 from transformer_engine_moe.reference import permute as ref
 
 BACKENDS = ["triton", "reference"]
@@ -154,6 +155,57 @@ def test_host_tokens_per_expert_gives_the_exact_padded_size(backend, case):
     assert torch.equal(exact[0].rowwise_scale_inv, worst[0].rowwise_scale_inv[:rows])
     assert torch.equal(exact[1], worst[1][:rows])
     assert all(torch.equal(a, b) for a, b in zip(exact[2:], worst[2:]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["random", "one_expert"])
+@pytest.mark.parametrize("host_counts", [True, False], ids=["host-counts", "device-counts"])
+def test_a_layout_made_ahead_gives_the_same_permute(backend, case, host_counts):
+    """``permute_layout`` made ahead (the local dispatcher queues it before its host wait) and passed as
+    ``layout``: the padded permute's outputs bit for bit those it computes itself, and its gradients."""
+    e, k, t, align = 6, 2, 33, 16
+    rm, probs = routing(t, e, k, case=case)
+    x = torch.randn(t, 256, device=KERNEL_DEVICE).bfloat16()
+    counts = rm.sum(0).tolist() if host_counts else rm.sum(0)
+    layout = permute_layout(rm, align, backend=backend)
+    assert isinstance(layout, PermuteLayout) and layout.routing_map is rm and layout.align_size == align
+    assert torch.equal(layout.counts, rm.sum(0)) and layout.counts.dtype == torch.int64
+    outs, grads = [], []
+    for given in (None, layout):
+        xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+        out = moe_permute_and_pad_with_probs(xi, pi, rm, counts, align, None if host_counts else t * k,
+                                             backend=backend, layout=given)
+        (out[0].float().square().sum() + out[1].sum()).backward()
+        outs.append(out)
+        grads.append((xi.grad, pi.grad))
+    for a, b in zip(outs[0], outs[1]):
+        assert torch.equal(a, b)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_layout_of_another_map_is_refused():
+    """A layout passed with a map it was not made from, made from this map before it was written, or for another
+    padding: ValueError naming the argument; not a layout: TypeError; ``permute_layout``'s own arguments."""
+    e, k, t, align = 6, 2, 33, 16
+    rm, probs = routing(t, e, k)
+    x = torch.randn(t, 256, device=KERNEL_DEVICE).bfloat16()
+    counts = rm.sum(0).tolist()
+    layout = permute_layout(rm, align)
+    call = lambda m, lay, a=align: moe_permute_and_pad_with_probs(x, probs, m, counts, a, layout=lay)  # noqa: E731
+    with pytest.raises(ValueError, match="layout was made from another routing_map"):
+        call(rm.clone(), layout)
+    with pytest.raises(ValueError, match=r"layout was made for align_size=16, this call pads to 32"):
+        call(rm, layout, 32)
+    with pytest.raises(TypeError, match="layout must be None or a PermuteLayout .* got tuple"):
+        call(rm, tuple(layout))
+    rm[0] = rm[0]  # a write bumps the version: the map may no longer be what the layout was made from
+    with pytest.raises(ValueError, match="or this one was written since"):
+        call(rm, layout)
+    with pytest.raises(TypeError, match=r"routing_map must be a bool \[num_tokens, num_experts >= 1\] tensor, got "
+                                        r"torch.int64"):
+        permute_layout(rm.long(), align)
+    with pytest.raises(ValueError, match="align_size must be a positive int .* got 0"):
+        permute_layout(rm, 0)
 
 
 def test_megatron_router_format_round_trips_through_topk():

@@ -37,13 +37,13 @@ def get_dispatcher(
     """The ``name`` dispatcher (``"local"``, ``"alltoall"`` or ``"deepep"``) for ``num_experts``
     experts over ``ep_group`` (None: local: no EP; others: the default group). ``recipe``: the
     FP8 format of gradients combine's backward quantizes (alltoall, deepep). ``kwargs`` go to
-    the backend (local: ``host_counts``; deepep: ``num_nvl_bytes``, ``num_rdma_bytes``)."""
+    the backend (local: ``host_counts``, ``align_size``; deepep: ``num_nvl_bytes``, ``num_rdma_bytes``)."""
     if not isinstance(name, str) or name not in DISPATCHERS:
         raise ValueError(f"unknown token dispatcher {name!r}; choose one of {sorted(DISPATCHERS)}")
     if name == "local":
-        if recipe is not None or set(kwargs) - {"host_counts"}:
-            raise ValueError(f"the local dispatcher quantizes nothing and takes no recipe; its only option is "
-                             f"host_counts, got {sorted(kwargs)}")
+        if recipe is not None or set(kwargs) - {"host_counts", "align_size"}:
+            raise ValueError(f"the local dispatcher quantizes nothing and takes no recipe; its options are "
+                             f"host_counts and align_size, got {sorted(kwargs)}")
         return LocalTokenDispatcher(num_experts, ep_group, **kwargs)
     if recipe is not None and not isinstance(recipe, FP8FlowRecipe):  # before the backend asks torch.distributed
         raise TypeError(f"recipe must be an FP8FlowRecipe or None, got {recipe!r}")

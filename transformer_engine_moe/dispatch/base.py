@@ -64,10 +64,11 @@ class DispatchResult:
     ``tokens_per_expert``: received slots per local expert: a host list of E_local ints (an int64
     device tensor ``[E_local]`` from ``LocalTokenDispatcher(host_counts=False)``).
     ``handle``: pass to ``combine``.
-    ``routing``: ``(routing_map [R, E_local] bool, probs [R, E_local] float32)``, ``topk_ids`` and ``topk_probs``
-    as ``ops.topk_to_routing_map`` converts them, where the dispatcher made it to check the ids (the local
-    dispatcher: one kernel checks them and writes the map); ``FP8FlowMoE`` permutes with it instead of
-    converting the ids again. None from the exchanging dispatchers.
+    ``routing``: ``(routing_map [R, E_local] bool, probs [R, E_local] float32, layout)``: ``topk_ids`` and
+    ``topk_probs`` as ``ops.topk_to_routing_map`` converts them, where the dispatcher made it to check the ids
+    (the local dispatcher: one kernel checks them and writes the map), and the map's ``ops.PermuteLayout`` where
+    the dispatcher was given an ``align_size`` (else None); ``FP8FlowMoE`` permutes with them instead of
+    converting the ids and laying out the map after the host wait. None from the exchanging dispatchers.
     """
 
     hidden: Hidden
@@ -75,7 +76,7 @@ class DispatchResult:
     topk_probs: torch.Tensor
     tokens_per_expert: Union[list[int], torch.Tensor]
     handle: DispatchHandle
-    routing: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    routing: Optional[tuple] = None
 
 
 def host_list(counts: torch.Tensor, before_host_wait: Optional[Callable[[], object]] = None) -> list[int]:

@@ -19,7 +19,7 @@ from .base import (
     host_list,
     mask_foreign_slots,
 )
-from ..ops.permute import checked_topk_routing
+from ..ops.permute import checked_topk_routing, permute_layout
 
 
 class LocalTokenDispatcher(TokenDispatcher):
@@ -34,10 +34,14 @@ class LocalTokenDispatcher(TokenDispatcher):
 
     The ids are checked on the device by the kernel that also writes their routing map (``topk_routing``), and the
     counts are the map's column sums, all queued before the host waits for the counts; the result carries the map
-    (``DispatchResult.routing``), so ``FP8FlowMoE``'s permute does not convert the ids again.
+    (``DispatchResult.routing``), so ``FP8FlowMoE``'s permute does not convert the ids again. ``align_size``
+    (None: not made): also queue there the padded permute's layout of that map (``ops.permute_layout``: row map,
+    counts, padding), which the permute takes instead of computing it after the wait (``FP8FlowMoE`` passes its
+    own ``align_size``).
     """
 
-    def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None, host_counts: bool = True):
+    def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None, host_counts: bool = True,
+                 align_size: Optional[int] = None):
         check_ep_group(ep_group)
         if ep_group is not None and dist.get_world_size(ep_group) != 1:
             raise ValueError(
@@ -46,6 +50,10 @@ class LocalTokenDispatcher(TokenDispatcher):
             )
         if not isinstance(host_counts, bool):
             raise TypeError(f"host_counts must be a bool, got {host_counts!r}")
+        if align_size is not None and (not isinstance(align_size, int) or isinstance(align_size, bool)
+                                       or align_size < 1):
+            raise ValueError(f"align_size must be None or a positive int (the permute's padding), got {align_size!r}")
+        self.align_size = align_size
         super().__init__(num_experts, ep_size=1, ep_rank=0)
         self.host_counts = host_counts
 
@@ -54,8 +62,12 @@ class LocalTokenDispatcher(TokenDispatcher):
         check_dispatch_inputs(hidden, topk_ids, topk_probs, self.num_experts, before_host_wait, check_ids=False)
         handle = DispatchHandle(None, hidden.shape[0], hidden.shape[0], isinstance(hidden, Float8BlockwiseQTensor))
         probs = mask_foreign_slots(topk_ids, topk_probs)
-        routing = checked_topk_routing(topk_ids, probs, self.num_experts, "auto", "topk_ids")
-        counts = routing[0].sum(0)
+        routing_map, routing_probs = checked_topk_routing(topk_ids, probs, self.num_experts, "auto", "topk_ids")
+        # not under torch.compile: the layout's check reads the map's version, which a traced graph does not keep
+        layout = None if self.align_size is None or torch.compiler.is_compiling() else \
+            permute_layout(routing_map, self.align_size)
+        routing = (routing_map, routing_probs, layout)
+        counts = routing_map.sum(0) if layout is None else layout.counts
         if self.host_counts:
             counts = host_list(counts, before_host_wait)
         elif before_host_wait is not None:

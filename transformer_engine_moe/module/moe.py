@@ -117,8 +117,8 @@ class FP8FlowMoE(nn.Module):
                              "DeepEP size their receive buffers from host counts")
         self.device_splits = device_splits
         self.dispatcher = get_dispatcher(name, ep_group, num_experts=num_experts,
-                                         **({"host_counts": not device_splits} if name == "local"
-                                            else {"recipe": self.recipe}))
+                                         **({"host_counts": not device_splits, "align_size": align_size}
+                                            if name == "local" else {"recipe": self.recipe}))
         common = dict(params_dtype=params_dtype, device=device, recipe=self.recipe, backend=gemm_backend,
                       fuse_wgrad_accumulation=fuse_wgrad_accumulation, single_grouped_weight=single_grouped_weight)
         self.linear_fc1 = GroupedLinear(self.num_local_experts, hidden_size, 2 * ffn_hidden_size,
@@ -255,22 +255,23 @@ class FP8FlowMoE(nn.Module):
         static buffer), and ``m_splits`` the E padded counts on the device and the slack (zero rows, a
         multiple of ``a``) as a trailing weightless group: the GEMMs write zeros there without computing
         them, and wgrad never reads them (``ops.grouped_gemm``). ``routing``: ``DispatchResult.routing`` of these
-        ids and probs, taken instead of converting them (``topk_to_routing_map``) again."""
+        ids and probs, taken instead of converting them (``topk_to_routing_map``) and laying out the map again."""
         a, e = self.align_size, self.num_local_experts
         if not isinstance(tokens_per_expert, (list, tuple, torch.Tensor)):  # None: once "not iterable" below
             raise TypeError(f"tokens_per_expert must be the dispatch's host list of {e} ints or its [{e}] device "
                             f"tensor, got {type(tokens_per_expert).__name__}")
-        routing_map, probs = topk_to_routing_map(topk_ids, topk_probs, e) if routing is None else routing
+        routing_map, probs, layout = (*topk_to_routing_map(topk_ids, topk_probs, e), None) if routing is None \
+            else routing
         if not isinstance(tokens_per_expert, torch.Tensor):
             x, probs, row_id_map, pad_offsets, _ = moe_permute_and_pad_with_probs(
-                hidden, probs, routing_map, list(tokens_per_expert), a)
+                hidden, probs, routing_map, list(tokens_per_expert), a, layout=layout)
             padded = [-(-c // a) * a for c in tokens_per_expert]
             # a plain list for torch.compile (which traces the checks once, not per step)
             return x, probs, row_id_map, pad_offsets, padded if torch.compiler.is_compiling() else HostSplits(padded)
         slack = e * (a - 1)
         rows = -(-(topk_ids.numel() + slack) // a) * a
         x, probs, row_id_map, pad_offsets, padded = moe_permute_and_pad_with_probs(
-            hidden, probs, routing_map, tokens_per_expert, a, num_out_tokens=rows - slack)
+            hidden, probs, routing_map, tokens_per_expert, a, num_out_tokens=rows - slack, layout=layout)
         return x, probs, row_id_map, pad_offsets, torch.cat([padded, (rows - padded.sum()).view(1)])
 
     def _check_hidden(self, hidden) -> torch.device:

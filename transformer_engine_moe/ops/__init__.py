@@ -2,10 +2,12 @@
 
 from .dequantize import dequantize_blockwise
 from .permute import (
+    PermuteLayout,
     moe_permute,
     moe_permute_and_pad_with_probs,
     moe_permute_with_probs,
     moe_unpermute,
+    permute_layout,
     routing_map_to_topk,
     topk_to_routing_map,
 )
@@ -15,6 +17,7 @@ from .swiglu import weighted_swiglu_quant
 from .transpose import scaling_aware_transpose, transpose_grouped_weight
 
 __all__ = [
+    "PermuteLayout",
     "QuantizeArgs",
     "dequantize_blockwise",
     "grouped_gemm",
@@ -23,6 +26,7 @@ __all__ = [
     "moe_permute_and_pad_with_probs",
     "moe_permute_with_probs",
     "moe_unpermute",
+    "permute_layout",
     "quantize_blockwise",
     "quantize_grouped_weight",
     "routing_map_to_topk",

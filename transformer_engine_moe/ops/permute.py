@@ -241,9 +241,51 @@ def _same_call(rec: Optional[_MapRecord], pad_offsets: Optional[torch.Tensor], n
     return rec.pad_ref() is pad_offsets and rec.pad_version == pad_offsets._version
 
 
-def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_expert, backend, op):
+class PermuteLayout(NamedTuple):
+    """What a padded permute computes from its routing map alone (``routing_layout``), made ahead of it, e.g.
+    queued before a host wait (the local dispatcher's): ``row_id_map [T, 2E+1]`` int32, ``counts [E]`` int64
+    (``routing_map.sum(0)``), ``pad_offsets [E]`` and ``padded [E]`` int64 for ``align_size``.
+    ``routing_map`` is the map it was made from and ``map_version`` that map's version then: a permute given
+    the layout takes it only for that same map, unwritten since (``permute_layout``)."""
+    routing_map: torch.Tensor
+    map_version: int
+    align_size: int
+    row_id_map: torch.Tensor
+    counts: torch.Tensor
+    pad_offsets: torch.Tensor
+    padded: torch.Tensor
+
+
+def permute_layout(routing_map: torch.Tensor, align_size: int, *, backend: str = "auto") -> PermuteLayout:
+    """The layout ``moe_permute_and_pad_with_probs(..., align_size, layout=...)`` takes instead of computing it
+    (four small launches, no host sync): ``routing_map [T, E]`` bool, ``align_size`` >= 1."""
+    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or routing_map.dim() != 2 \
+            or routing_map.shape[1] == 0:
+        raise TypeError(f"routing_map must be a bool [num_tokens, num_experts >= 1] tensor, got "
+                        f"{getattr(routing_map, 'dtype', type(routing_map).__name__)} of shape "
+                        f"{list(getattr(routing_map, 'shape', []))}")
+    if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size < 1:
+        raise ValueError(f"align_size must be a positive int (1: no padding), got {align_size!r}")
+    impl = implementation(backend, routing_map, "permute_layout")
+    return PermuteLayout(routing_map, routing_map._version, align_size, *impl.routing_layout(routing_map, align_size))
+
+
+def _check_layout(layout, routing_map, align_size: int, op: str) -> None:
+    """``layout`` a ``PermuteLayout`` made from ``routing_map`` itself (unwritten since) for ``align_size``."""
+    if not isinstance(layout, PermuteLayout):
+        raise TypeError(f"{op}: layout must be None or a PermuteLayout (permute_layout), got {type(layout).__name__}")
+    if layout.routing_map is not routing_map or layout.map_version != routing_map._version:
+        raise ValueError(f"{op}: layout was made from another routing_map (or this one was written since): make it "
+                         "with permute_layout(routing_map, align_size) from the map passed here")
+    if layout.align_size != align_size:
+        raise ValueError(f"{op}: layout was made for align_size={layout.align_size}, this call pads to {align_size}")
+
+
+def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_expert, backend, op, layout=None):
     x = _check_inp(inp)
     num_tokens = x.shape[0]
+    if layout is not None:
+        _check_layout(layout, routing_map, align_size, op)
     routing_map = _check_routing(routing_map, num_tokens, x.device)
     num_experts = routing_map.shape[1]
     probs = _check_probs(probs, (num_tokens, num_experts), x.device)
@@ -251,7 +293,7 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
     host_counts = _check_tokens_per_expert(tokens_per_expert, num_experts, x.device)
     impl = implementation(backend, x, op)
     a = max(align_size or 1, 1)
-    row_id_map, counts, pad_offsets, padded = impl.routing_layout(routing_map, a)
+    row_id_map, counts, pad_offsets, padded = impl.routing_layout(routing_map, a) if layout is None else layout[3:]
     if tokens_per_expert is not None:
         want = m_splits_tensor(host_counts, counts.device) if host_counts is not None else tokens_per_expert
         check_on_device((want.to(counts.device, torch.int64) == counts).all(),
@@ -327,7 +369,7 @@ def moe_permute_with_probs(
 
 def moe_permute_and_pad_with_probs(
     inp, probs: torch.Tensor, routing_map: torch.Tensor, tokens_per_expert, align_size: int,
-    num_out_tokens: Optional[int] = None, *, backend: str = "auto",
+    num_out_tokens: Optional[int] = None, *, backend: str = "auto", layout: Optional[PermuteLayout] = None,
 ):
     """``moe_permute_with_probs`` with each expert's rows padded to a multiple of ``align_size``.
 
@@ -339,7 +381,8 @@ def moe_permute_and_pad_with_probs(
     tensor (no host sync) the worst-case ``num_out_tokens + E * (align_size - 1)`` rows
     (``num_out_tokens`` default ``T * E``), the slack at the end. Padding rows between
     experts and slack rows are zero (FP8: scale_inv 1). ``align_size`` >= 1 (1: no
-    padding). Pass ``pad_offsets`` to ``moe_unpermute``.
+    padding). Pass ``pad_offsets`` to ``moe_unpermute``. ``layout``: ``permute_layout(routing_map,
+    align_size)`` made ahead (e.g. before a host wait), taken instead of computing it here.
     """
     if tokens_per_expert is None:
         raise ValueError("moe_permute_and_pad_with_probs: tokens_per_expert must be given (routing_map.sum(0) as "
@@ -348,7 +391,7 @@ def moe_permute_and_pad_with_probs(
         raise ValueError(f"moe_permute_and_pad_with_probs: align_size must be a positive int (1: no padding), "
                          f"got {align_size!r}")
     return _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_expert, backend,
-                    "moe_permute_and_pad_with_probs")
+                    "moe_permute_and_pad_with_probs", layout)
 
 
 def moe_unpermute(
