@@ -11,13 +11,16 @@ used as is, never dequantized. Per step:
   grouped_gemm(inp, W)`` in BF16 (or the input's dtype), W dropped after it. Kept for
   backward: W^T (dgrad's operand: one FP8 copy of the weights lives across the step;
   W alone in recompute's first pass, ``fp8_weights``) and, when a weight gradient is
-  wanted, only the input's scaling-aware transpose (expert-major 128x1, what wgrad
-  reads; the rowwise input is not kept, as TE keeps only the columnwise copy).
+  wanted, the input's FP8 rowwise copy, which backward transposes (scaling-aware:
+  expert-major 128x1, what wgrad reads). TE keeps the columnwise copy alone; the bytes are
+  the same, and transposing in backward takes a launch off the forward, whose host time
+  bounds the step at small experts (docs/megatron.md), and off a ``moe_expert`` first pass,
+  whose saved tensors are dropped.
 - backward: the output gradient is quantized 1x128 (E4M3, or E5M2 for the HYBRID
   recipe), or taken as it comes when it arrives so quantized (``FP8FlowMoE``'s unpermute
   quantizes it per token and permutes FP8 rows); dgrad ``dX = dY @ W_g`` through W^T (a byte transpose of W where W was
   kept), dropped right after the dgrad GEMM; wgrad ``dW_g = dY_g^T X_g`` from the
-  scaling-aware transpose of dY and the kept transpose of the input. With
+  scaling-aware transposes of dY and of the kept input. With
   ``fuse_wgrad_accumulation``, wgrad is added into each weight's ``main_grad``
   (Megatron), or written over it where the weights have ``overwrite_main_grad`` set
   (Megatron-FSDP), and ``.grad`` gets a placeholder, as in TE: Megatron's DDP hooks fire
@@ -125,8 +128,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
         ctx.wgrad = any(ctx.needs_input_grad[6:]) or module.fuse_wgrad_accumulation
         ctx.impl = implementation("auto", x, "GroupedLinear")  # the scaling-aware transposes of x and dy
-        if ctx.wgrad:  # only wgrad reads the input: keep its columnwise copy alone (as TE), FP8 only
-            ctx.save_for_backward(*ctx.impl.scaling_aware_transpose(x.rowwise_data, x.rowwise_scale_inv, m_splits))
+        if ctx.wgrad:  # only wgrad reads the input: its rowwise FP8 copy, transposed in backward (same bytes)
+            ctx.save_for_backward(x.rowwise_data, x.rowwise_scale_inv)
             ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.force_pow_2_scales)
         # not saved_tensors (a cached copy is reused, never re-saved): W^T, or W where no W^T was made
         ctx.weight_bwd = weight_fp8 if weight_t is None else weight_t
@@ -160,7 +163,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dy_t = _columnwise(dy, *ctx.impl.scaling_aware_transpose(dy.rowwise_data, dy.rowwise_scale_inv, m_splits),
                                m_splits)
             del dy
-            data, scale = saved
+            data, scale = ctx.impl.scaling_aware_transpose(*saved, m_splits)
+            del saved
             shape, dtype, fp8_dtype, pow2 = ctx.x_meta
             x_t = Float8BlockwiseQTensor(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, force_pow_2_scales=pow2,
                                          columnwise_data=data, columnwise_scale_inv=scale,
@@ -389,7 +393,7 @@ class GroupedLinear(nn.Module):
                               m_splits: Union[Sequence[int], torch.Tensor]) -> None:
         """Inside the rerun of a non-reentrant ``torch.utils.checkpoint`` whose first pass called
         ``forward(inp, m_splits, ...)``: regenerate only what that forward saved for backward (the input's
-        scaling-aware transpose), without the GEMM or the FP8 weights. The autograd node it makes saves the
+        FP8 rowwise copy, which backward transposes), without the GEMM or the FP8 weights. The autograd node it makes saves the
         same tensors in the same order, so checkpoint's early stop ends the rerun here when they are the
         region's last (``FP8FlowMoE``'s ``moe_expert``: fc2); the first pass's backward reads them. Same
         input checks as ``forward``."""

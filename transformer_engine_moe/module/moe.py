@@ -185,8 +185,8 @@ class FP8FlowMoE(nn.Module):
     def _mlp(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, rerun: bool = False,
              routing=None):
         """``experts`` up to fc2: -> ``(y [M, H] BF16 in the permuted, padded layout, row_id_map, pad_offsets)``.
-        ``rerun``: the ``moe_expert`` rerun, which regenerates only what backward reads: fc2 saves its input's
-        transpose and runs no GEMM (``GroupedLinear.recompute_saved_input``); returns None. ``routing``:
+        ``rerun``: the ``moe_expert`` rerun, which regenerates only what backward reads: fc2 saves its FP8 input
+        and runs no GEMM (``GroupedLinear.recompute_saved_input``); returns None. ``routing``:
         ``_permute``'s."""
         x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert,
                                                                   routing)
@@ -206,7 +206,7 @@ class FP8FlowMoE(nn.Module):
         ``moe_expert``: permute -> fc1 -> SwiGLU -> fc2 run under a non-reentrant checkpoint that keeps only
         their inputs; unpermute runs after it and keeps the routing map it reads (``row_id_map [R, 2E+1]``
         int32 and ``pad_offsets``, E local experts). The rerun in backward regenerates fc1's and SwiGLU's
-        saved tensors and fc2's input transpose, and ends there (checkpoint's early stop): no fc2 GEMM and
+        saved tensors and fc2's FP8 input, and ends there (checkpoint's early stop): no fc2 GEMM and
         no fc2 weights. fc1 reads the FP8 weights the forward cached (``is_first_microbatch`` True or False)
         or quantizes W alone again (None: backward takes the W^T the first pass kept; the rerun's own
         autograd state is dropped)."""
