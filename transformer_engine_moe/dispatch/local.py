@@ -53,9 +53,8 @@ class LocalTokenDispatcher(TokenDispatcher):
         if align_size is not None and (not isinstance(align_size, int) or isinstance(align_size, bool)
                                        or align_size < 1):
             raise ValueError(f"align_size must be None or a positive int (the permute's padding), got {align_size!r}")
-        self.align_size = align_size
         super().__init__(num_experts, ep_size=1, ep_rank=0)
-        self.host_counts = host_counts
+        self.host_counts, self.align_size = host_counts, align_size
 
     def dispatch(self, hidden: Hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor,
                  before_host_wait: Optional[Callable[[], object]] = None) -> DispatchResult:

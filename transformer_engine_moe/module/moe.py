@@ -215,7 +215,8 @@ class FP8FlowMoE(nn.Module):
     def _routed_experts(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing=None):
         """``routed_experts``, permuting with the dispatch's ``routing`` where given. Not inside the ``moe_expert``
         recompute: its region keeps its inputs until backward, and the ``[R, k]`` ids are smaller than the
-        ``[R, E]`` map and probs, so the region converts the ids itself."""
+        ``[R, E]`` map and probs, so the region converts the ids itself (the dispatch's map and layout then go
+        unused: a few small launches before the host wait, where the GPU is still busy with earlier work)."""
         try:
             self.prefetch_fp8_weights(is_first_microbatch)
             if self.recompute != "moe_expert":
