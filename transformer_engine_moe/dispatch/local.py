@@ -65,14 +65,13 @@ class LocalTokenDispatcher(TokenDispatcher):
         # not under torch.compile: the layout's check reads the map's version, which a traced graph does not keep
         layout = None if self.align_size is None or torch.compiler.is_compiling() else \
             permute_layout(routing_map, self.align_size)
+        routing = (routing_map, routing_probs, layout)
         counts = routing_map.sum(0) if layout is None else layout.counts
         if self.host_counts:
             counts = host_list(counts, before_host_wait)
-            if layout is not None:  # read from the layout's counts: a permute given these need not check them
-                layout = layout._replace(host_counts=tuple(counts))
         elif before_host_wait is not None:
             before_host_wait()
-        return DispatchResult(hidden, topk_ids, probs, counts, handle, (routing_map, routing_probs, layout))
+        return DispatchResult(hidden, topk_ids, probs, counts, handle, routing)
 
     def combine(self, x: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
         check_combine_input(x, handle)

@@ -246,10 +246,7 @@ class PermuteLayout(NamedTuple):
     queued before a host wait (the local dispatcher's): ``row_id_map [T, 2E+1]`` int32, ``counts [E]`` int64
     (``routing_map.sum(0)``), ``pad_offsets [E]`` and ``padded [E]`` int64 for ``align_size``.
     ``routing_map`` is the map it was made from and ``map_version`` that map's version then: a permute given
-    the layout takes it only for that same map, unwritten since (``permute_layout``). ``host_counts``: ``counts``
-    as read to the host, where the layout's maker read them (the local dispatcher's host wait, ``_replace``);
-    a permute given host ``tokens_per_expert`` equal to them skips its device-side check that they match the
-    map (they are the map's counts)."""
+    the layout takes it only for that same map, unwritten since (``permute_layout``)."""
     routing_map: torch.Tensor
     map_version: int
     align_size: int
@@ -257,7 +254,6 @@ class PermuteLayout(NamedTuple):
     counts: torch.Tensor
     pad_offsets: torch.Tensor
     padded: torch.Tensor
-    host_counts: Optional[tuple] = None
 
 
 def permute_layout(routing_map: torch.Tensor, align_size: int, *, backend: str = "auto") -> PermuteLayout:
@@ -297,12 +293,8 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
     host_counts = _check_tokens_per_expert(tokens_per_expert, num_experts, x.device)
     impl = implementation(backend, x, op)
     a = max(align_size or 1, 1)
-    if layout is None:
-        row_id_map, counts, pad_offsets, padded = impl.routing_layout(routing_map, a)
-    else:
-        row_id_map, counts, pad_offsets, padded = layout.row_id_map, layout.counts, layout.pad_offsets, layout.padded
-    counted = layout is not None and host_counts is not None and layout.host_counts == tuple(host_counts)
-    if tokens_per_expert is not None and not counted:
+    row_id_map, counts, pad_offsets, padded = impl.routing_layout(routing_map, a) if layout is None else layout[3:]
+    if tokens_per_expert is not None:
         want = m_splits_tensor(host_counts, counts.device) if host_counts is not None else tokens_per_expert
         check_on_device((want.to(counts.device, torch.int64) == counts).all(),
                         f"{op}: tokens_per_expert differs from routing_map.sum(0)")
