@@ -183,9 +183,10 @@ def test_a_layout_made_ahead_gives_the_same_permute(backend, case, host_counts):
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-def test_a_layout_of_another_map_is_refused():
-    """A layout passed with a map it was not made from, made from this map before it was written, or for another
-    padding: ValueError naming the argument; not a layout: TypeError; ``permute_layout``'s own arguments."""
+def test_a_layout_of_another_map_or_not_permute_layouts_is_refused():
+    """A layout passed with a map it was not made from, for another padding, built or edited outside
+    ``permute_layout`` (a forged row map or counts would size and index the output), or written since: ValueError
+    naming the argument; not a layout: TypeError; ``permute_layout``'s own arguments."""
     e, k, t, align = 6, 2, 33, 16
     rm, probs = routing(t, e, k)
     x = torch.randn(t, 256, device=KERNEL_DEVICE).bfloat16()
@@ -198,8 +199,17 @@ def test_a_layout_of_another_map_is_refused():
         call(rm, layout, 32)
     with pytest.raises(TypeError, match="layout must be None or a PermuteLayout .* got tuple"):
         call(rm, tuple(layout))
-    rm[0] = rm[0]  # a write bumps the version: the map may no longer be what the layout was made from
-    with pytest.raises(ValueError, match="or this one was written since"):
+    forged = [layout._replace(counts=layout.counts - 1), layout._replace(align_size=32),
+              PermuteLayout(rm, align, layout.row_id_map.clone(), *layout[3:])]
+    for bad in forged:
+        with pytest.raises(ValueError, match="layout must be one permute_layout made, as it made it"):
+            call(rm, bad, bad.align_size)
+    written = permute_layout(rm, align)
+    written.pad_offsets.add_(0)  # a write bumps the version: the tensor may no longer be what was made
+    with pytest.raises(ValueError, match="layout's routing_map or tensors were written since"):
+        call(rm, written)
+    rm[0] = rm[0]
+    with pytest.raises(ValueError, match="layout's routing_map or tensors were written since"):
         call(rm, layout)
     with pytest.raises(TypeError, match=r"routing_map must be a bool \[num_tokens, num_experts >= 1\] tensor, got "
                                         r"torch.int64"):

@@ -244,16 +244,26 @@ def _same_call(rec: Optional[_MapRecord], pad_offsets: Optional[torch.Tensor], n
 class PermuteLayout(NamedTuple):
     """What a padded permute computes from its routing map alone (``routing_layout``), made ahead of it, e.g.
     queued before a host wait (the local dispatcher's): ``row_id_map [T, 2E+1]`` int32, ``counts [E]`` int64
-    (``routing_map.sum(0)``), ``pad_offsets [E]`` and ``padded [E]`` int64 for ``align_size``.
-    ``routing_map`` is the map it was made from and ``map_version`` that map's version then: a permute given
-    the layout takes it only for that same map, unwritten since (``permute_layout``)."""
+    (``routing_map.sum(0)``), ``pad_offsets [E]`` and ``padded [E]`` int64 for ``align_size``, and the
+    ``routing_map`` it was made from. Make it with ``permute_layout``: a permute sizes and indexes its output by
+    these tensors, so it takes only a layout ``permute_layout`` made, from the map it permutes by, none of its
+    tensors replaced or written since (``_LAYOUTS``)."""
     routing_map: torch.Tensor
-    map_version: int
     align_size: int
     row_id_map: torch.Tensor
     counts: torch.Tensor
     pad_offsets: torch.Tensor
     padded: torch.Tensor
+
+
+# The layouts permute_layout made, by their row map's id: weak references to their tensors and the versions autograd
+# counts in-place writes by (a tuple cannot be weakly referenced; an entry leaves when its row map is freed).
+# Eager only: a layout made under torch.compile is not recorded, and a permute refuses it.
+_LAYOUTS: dict[int, tuple] = {}
+
+
+def _layout_tensors(layout: PermuteLayout) -> tuple:
+    return layout.routing_map, layout.row_id_map, layout.counts, layout.pad_offsets, layout.padded
 
 
 def permute_layout(routing_map: torch.Tensor, align_size: int, *, backend: str = "auto") -> PermuteLayout:
@@ -267,16 +277,29 @@ def permute_layout(routing_map: torch.Tensor, align_size: int, *, backend: str =
     if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size < 1:
         raise ValueError(f"align_size must be a positive int (1: no padding), got {align_size!r}")
     impl = implementation(backend, routing_map, "permute_layout")
-    return PermuteLayout(routing_map, routing_map._version, align_size, *impl.routing_layout(routing_map, align_size))
+    layout = PermuteLayout(routing_map, align_size, *impl.routing_layout(routing_map, align_size))
+    if not torch.compiler.is_compiling():
+        key, tensors = id(layout.row_id_map), _layout_tensors(layout)
+        _LAYOUTS[key] = (weakref.ref(layout.row_id_map, lambda _: _LAYOUTS.pop(key, None)),
+                         tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), align_size)
+    return layout
 
 
 def _check_layout(layout, routing_map, align_size: int, op: str) -> None:
-    """``layout`` a ``PermuteLayout`` made from ``routing_map`` itself (unwritten since) for ``align_size``."""
+    """``layout`` one ``permute_layout`` made from ``routing_map`` itself for ``align_size``, unchanged since."""
     if not isinstance(layout, PermuteLayout):
         raise TypeError(f"{op}: layout must be None or a PermuteLayout (permute_layout), got {type(layout).__name__}")
-    if layout.routing_map is not routing_map or layout.map_version != routing_map._version:
-        raise ValueError(f"{op}: layout was made from another routing_map (or this one was written since): make it "
-                         "with permute_layout(routing_map, align_size) from the map passed here")
+    rec, tensors = _LAYOUTS.get(id(layout.row_id_map)), _layout_tensors(layout)
+    if rec is None or rec[0]() is not layout.row_id_map or any(r() is not t for r, t in zip(rec[1], tensors)) \
+            or rec[3] != layout.align_size:
+        raise ValueError(f"{op}: layout must be one permute_layout made, as it made it (a layout's row map and counts "
+                         "size and index the output: one built or edited elsewhere is not taken)")
+    if rec[2] != tuple(t._version for t in tensors):
+        raise ValueError(f"{op}: layout's routing_map or tensors were written since permute_layout made it: make it "
+                         "again from the map as it is")
+    if layout.routing_map is not routing_map:
+        raise ValueError(f"{op}: layout was made from another routing_map: make it with permute_layout(routing_map, "
+                         "align_size) from the map passed here")
     if layout.align_size != align_size:
         raise ValueError(f"{op}: layout was made for align_size={layout.align_size}, this call pads to {align_size}")
 
@@ -293,7 +316,7 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
     host_counts = _check_tokens_per_expert(tokens_per_expert, num_experts, x.device)
     impl = implementation(backend, x, op)
     a = max(align_size or 1, 1)
-    row_id_map, counts, pad_offsets, padded = impl.routing_layout(routing_map, a) if layout is None else layout[3:]
+    row_id_map, counts, pad_offsets, padded = impl.routing_layout(routing_map, a) if layout is None else layout[2:]
     if tokens_per_expert is not None:
         want = m_splits_tensor(host_counts, counts.device) if host_counts is not None else tokens_per_expert
         check_on_device((want.to(counts.device, torch.int64) == counts).all(),
