@@ -249,9 +249,9 @@ def test_permute_makes_the_padded_splits_once_as_host_splits():
 @pytest.mark.parametrize("recompute", [None, "moe_expert"])
 def test_the_ids_are_converted_to_a_routing_map_once(monkeypatch, recompute):
     """A forward converts the top-k ids to a routing map once, in the local dispatcher, where the same kernel checks
-    them; the permute takes that map and its layout (``DispatchResult.routing``). ``moe_expert``'s region converts them itself
-    (it keeps the [T, k] ids, not the [T, E] map): once more in the forward and once in the rerun. Results bit
-    for bit those of a block that converts in its permute (a direct ``experts`` call)."""
+    them; the permute takes that map and its layout (``DispatchResult.routing``). ``moe_expert``'s region converts
+    them itself (it keeps the [T, k] ids, not the [T, E] map): once more in the forward and once in the rerun.
+    Results bit for bit those of a block that converts in its permute (a direct ``experts`` call)."""
     import transformer_engine_moe.module.moe as moe
     import transformer_engine_moe.ops.permute as permute
 

@@ -393,8 +393,8 @@ class GroupedLinear(nn.Module):
                               m_splits: Union[Sequence[int], torch.Tensor]) -> None:
         """Inside the rerun of a non-reentrant ``torch.utils.checkpoint`` whose first pass called
         ``forward(inp, m_splits, ...)``: regenerate only what that forward saved for backward (the input's
-        FP8 rowwise copy, which backward transposes), without the GEMM or the FP8 weights. The autograd node it makes saves the
-        same tensors in the same order, so checkpoint's early stop ends the rerun here when they are the
+        FP8 rowwise copy, which backward transposes), without the GEMM or the FP8 weights. The autograd node it
+        makes saves the same tensors in the same order, so checkpoint's early stop ends the rerun here when they are the
         region's last (``FP8FlowMoE``'s ``moe_expert``: fc2); the first pass's backward reads them. Same
         input checks as ``forward``."""
         self._check_input(inp)
