@@ -306,7 +306,7 @@ class FP8FlowMoE(nn.Module):
         """``hidden [T, H]`` BF16 (FP32: cast to BF16 at entry and the output back), ``topk_ids [T, k]``
         int64 global expert ids (-1: unused slot), ``topk_probs [T, k]`` floating -> ``[T, H]``. Types, dtypes,
         shapes and devices checked on the host; the ids' values (in ``[-1, num_experts)``, no expert twice for one
-        token) on the device (the dispatcher's and permute's checks)."""
+        token) on the device (the dispatcher's check; the local one's kernel also writes the routing map)."""
         device = self._check_hidden(hidden)
         dims = (("T", hidden.shape[0]), ("topk", self.topk))
         _check_tensor("topk_ids", topk_ids, (torch.int64,), dims, device)
