@@ -214,6 +214,8 @@ def test_a_layout_of_another_map_or_not_permute_layouts_is_refused():
     with pytest.raises(TypeError, match=r"routing_map must be a bool \[num_tokens, num_experts >= 1\] tensor, got "
                                         r"torch.int64"):
         permute_layout(rm.long(), align)
+    with pytest.raises(ValueError, match=r"routing_map must be \[num_tokens, num_experts >= 1\], got shape \[33, 0\]"):
+        permute_layout(rm[:, :0], align)
     with pytest.raises(ValueError, match="align_size must be a positive int .* got 0"):
         permute_layout(rm, 0)
 

@@ -108,7 +108,7 @@ def _m_indices(m_splits, m: int, device, num_weights: int) -> torch.Tensor:
 # (m_indices -1: DeepGEMM skips their MMAs, not their A loads) and the output is the leading M rows. A shape whose
 # calls always have about as many rows (EP=1: the tokens times top-k) is not padded and pays nothing.
 MIN_ROWS = 32768
-_MOST_ROWS: dict = {}  # (N, K, groups, device) -> the most rows a call of that shape has had in this process
+_MOST_ROWS: dict = {}  # (groups, N, K, device) -> the most rows a call of that shape has had in this process
 
 
 def _rows_to_run(m: int, b: torch.Tensor) -> int:

@@ -269,11 +269,11 @@ def _layout_tensors(layout: PermuteLayout) -> tuple:
 def permute_layout(routing_map: torch.Tensor, align_size: int, *, backend: str = "auto") -> PermuteLayout:
     """The layout ``moe_permute_and_pad_with_probs(..., align_size, layout=...)`` takes instead of computing it
     (four small launches, no host sync): ``routing_map [T, E]`` bool, ``align_size`` >= 1."""
-    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool or routing_map.dim() != 2 \
-            or routing_map.shape[1] == 0:
+    if not isinstance(routing_map, torch.Tensor) or routing_map.dtype != torch.bool:
         raise TypeError(f"routing_map must be a bool [num_tokens, num_experts >= 1] tensor, got "
-                        f"{getattr(routing_map, 'dtype', type(routing_map).__name__)} of shape "
-                        f"{list(getattr(routing_map, 'shape', []))}")
+                        f"{getattr(routing_map, 'dtype', type(routing_map).__name__)}")
+    if routing_map.dim() != 2 or routing_map.shape[1] == 0:
+        raise ValueError(f"routing_map must be [num_tokens, num_experts >= 1], got shape {list(routing_map.shape)}")
     if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size < 1:
         raise ValueError(f"align_size must be a positive int (1: no padding), got {align_size!r}")
     impl = implementation(backend, routing_map, "permute_layout")
