@@ -133,14 +133,14 @@ def _block(device="cpu", **kw):
 
 
 def test_block_breaks_only_at_the_host_split_list():
-    """The local dispatcher reads ``tokens_per_expert`` to the host (``.tolist()`` in ``dispatch.base.host_list``):
+    """The local dispatcher reads ``tokens_per_expert`` to the host (``.tolist()`` in ``layout.host_list``):
     the one graph break; nothing in the quantize, permute, GEMM, SwiGLU or combine ops breaks. The compiled
     forward equals eager."""
     block, x, ids, probs = _block()
     explained = torch._dynamo.explain(block.forward_topk)(x.clone().requires_grad_(), ids, probs)
     where = {(b.user_stack[-1].filename.rsplit("transformer_engine_moe/", 1)[-1], b.user_stack[-1].name)
              for b in explained.break_reasons}
-    assert where == {("dispatch/base.py", "host_list")} and explained.graph_break_count >= 1
+    assert where == {("layout.py", "host_list")} and explained.graph_break_count >= 1
     assert all("_local_scalar_dense" in b.reason for b in explained.break_reasons)
     torch._dynamo.reset()
     with torch.no_grad():

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -95,6 +95,25 @@ def check_on_device(cond: torch.Tensor, message: str) -> None:
             raise ValueError(message)
     else:
         torch._assert_async(cond, message)
+
+
+def host_list(counts: torch.Tensor, before_host_wait: Optional[Callable[[], object]] = None) -> list[int]:
+    """``counts`` (an int device tensor) as a host list: a dispatcher's one host sync, waiting for the
+    copy alone. On CUDA the copy goes to pinned memory behind an event; ``before_host_wait`` runs once it
+    is queued, so the GPU work that callable queues is not waited for: the GPU runs it while the host
+    waits and issues the next kernels (after a plain ``tolist()`` the GPU idles until the host has issued
+    them). Elsewhere: ``before_host_wait``, then ``tolist()``."""
+    copied = None
+    if counts.device.type == "cuda":
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        counts = host.copy_(counts, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+    if before_host_wait is not None:
+        before_host_wait()
+    if copied is not None:
+        copied.synchronize()
+    return counts.tolist()
 
 
 class HostSplits(list):

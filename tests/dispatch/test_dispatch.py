@@ -364,7 +364,7 @@ def test_before_host_wait_runs_once_and_changes_nothing(world_of_one, name):
 def test_gpu_host_list_does_not_wait_for_the_work_queued_before_the_wait():
     """The counts are read behind an event recorded before ``before_host_wait``: the host returns while the GPU
     still runs what that callable queued (a plain ``tolist()`` would wait for it)."""
-    from transformer_engine_moe.dispatch.base import host_list
+    from transformer_engine_moe.layout import host_list
 
     counts = torch.arange(5, device="cuda")
     torch.cuda.synchronize()

@@ -183,6 +183,40 @@ def test_a_layout_made_ahead_gives_the_same_permute(backend, case, host_counts):
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+def test_layout_host_counts_are_taken_without_a_device_check(monkeypatch):
+    """``layout_host_counts``: the layout's counts on the host, a read-only ``HostSplits``; the permute given these
+    very counts with the layout skips its device check of host counts against the map (4 launches after the host
+    wait); equal counts from elsewhere are checked, and wrong ones refused."""
+    import transformer_engine_moe.ops.permute as permute_ops
+    from transformer_engine_moe.layout import HostSplits
+    from transformer_engine_moe.ops import layout_host_counts
+
+    align = 16
+    rm, probs = routing(33, 6, 2, device="cpu")  # on the CPU: the wrong counts raise, not a device-side assert
+    x = torch.randn(33, 256).bfloat16()
+    checks = []
+    monkeypatch.setattr(permute_ops, "check_on_device",
+                        lambda cond, msg, real=permute_ops.check_on_device: checks.append(msg) or real(cond, msg))
+    layout = permute_layout(rm, align)
+    counts = layout_host_counts(layout)
+    assert isinstance(counts, HostSplits) and counts == rm.sum(0).tolist()
+    with pytest.raises(TypeError, match="read-only"):
+        counts[0] = 0
+    moe_permute_and_pad_with_probs(x, probs, rm, counts, align, layout=layout)
+    assert not [m for m in checks if "tokens_per_expert differs" in m]
+    moe_permute_and_pad_with_probs(x, probs, rm, list(counts), align, layout=layout)
+    assert [m for m in checks if "tokens_per_expert differs" in m]
+    wrong = list(counts)
+    wrong[0] += 1
+    with pytest.raises(ValueError, match="tokens_per_expert differs from routing_map.sum"):
+        moe_permute_and_pad_with_probs(x, probs, rm, wrong, align, layout=layout)
+    with pytest.raises(TypeError, match="layout_host_counts: layout must be None or a PermuteLayout"):
+        layout_host_counts(tuple(layout))
+    layout.counts.add_(0)
+    with pytest.raises(ValueError, match="layout's routing_map or tensors were written since"):
+        layout_host_counts(layout)
+
+
 def test_a_layout_of_another_map_or_not_permute_layouts_is_refused():
     """A layout passed with a map it was not made from, for another padding, built or edited outside
     ``permute_layout`` (a forged row map or counts would size and index the output), or written since: ValueError

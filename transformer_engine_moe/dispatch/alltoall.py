@@ -14,9 +14,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ..layout import host_list
 from ..ops.permute import permute_rows, row_id_map_of, unpermute_rows
 from ..recipe import FP8FlowRecipe
-from .base import check_ep_group, host_list, slots_per_expert
+from .base import check_ep_group, slots_per_expert
 from .exchange import ExchangeTokenDispatcher, Rows
 
 

@@ -79,25 +79,6 @@ class DispatchResult:
     routing: Optional[tuple] = None
 
 
-def host_list(counts: torch.Tensor, before_host_wait: Optional[Callable[[], object]] = None) -> list[int]:
-    """``counts`` (an int device tensor) as a host list: a dispatcher's one host sync, waiting for the
-    copy alone. On CUDA the copy goes to pinned memory behind an event; ``before_host_wait`` runs once it
-    is queued, so the GPU work that callable queues is not waited for: the GPU runs it while the host
-    waits and issues the next kernels (after a plain ``tolist()`` the GPU idles until the host has issued
-    them). Elsewhere: ``before_host_wait``, then ``tolist()``."""
-    copied = None
-    if counts.device.type == "cuda":
-        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
-        counts = host.copy_(counts, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-    if before_host_wait is not None:
-        before_host_wait()
-    if copied is not None:
-        copied.synchronize()
-    return counts.tolist()
-
-
 class TokenDispatcher(abc.ABC):
     """Sends tokens to the EP ranks of their experts and sums the results back.
 
@@ -131,7 +112,7 @@ class TokenDispatcher(abc.ABC):
         ``[T, k]``) to the ranks of their experts. Differentiable in ``hidden`` and ``topk_probs``.
 
         ``before_host_wait``: called once, with no arguments, after the dispatcher has queued the work
-        whose result the host waits for (the per-expert counts) and before it waits (``host_list``):
+        whose result the host waits for (the per-expert counts) and before it waits (``layout.host_list``):
         GPU work it queues runs while the host waits, and then while the host issues what follows.
         FP8FlowMoE queues its weight quantization there. DeepEP waits inside its own dispatch, after
         its communication stream has waited for the caller's: there it is called after that dispatch."""

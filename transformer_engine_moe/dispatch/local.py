@@ -16,10 +16,10 @@ from .base import (
     check_combine_input,
     check_dispatch_inputs,
     check_ep_group,
-    host_list,
     mask_foreign_slots,
 )
-from ..ops.permute import checked_topk_routing, permute_layout
+from ..layout import host_list
+from ..ops.permute import checked_topk_routing, layout_host_counts, permute_layout
 
 
 class LocalTokenDispatcher(TokenDispatcher):
@@ -37,7 +37,9 @@ class LocalTokenDispatcher(TokenDispatcher):
     (``DispatchResult.routing``), so ``FP8FlowMoE``'s permute does not convert the ids again. ``align_size``
     (None: not made): also queue there the padded permute's layout of that map (``ops.permute_layout``: row map,
     counts, padding), which the permute takes instead of computing it after the wait (``FP8FlowMoE`` passes its
-    own ``align_size``).
+    own ``align_size``); with host counts ``tokens_per_expert`` is then the layout's counts as read to the host
+    (``ops.layout_host_counts``: a read-only ``HostSplits``, which the permute takes without checking them on the
+    device again).
     """
 
     def __init__(self, num_experts: int, ep_group: Optional[dist.ProcessGroup] = None, host_counts: bool = True,
@@ -68,7 +70,8 @@ class LocalTokenDispatcher(TokenDispatcher):
         routing = (routing_map, routing_probs, layout)
         counts = routing_map.sum(0) if layout is None else layout.counts
         if self.host_counts:
-            counts = host_list(counts, before_host_wait)
+            counts = host_list(counts, before_host_wait) if layout is None else \
+                layout_host_counts(layout, before_host_wait)
         elif before_host_wait is not None:
             before_host_wait()
         return DispatchResult(hidden, topk_ids, probs, counts, handle, routing)

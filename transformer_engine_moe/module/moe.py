@@ -264,8 +264,9 @@ class FP8FlowMoE(nn.Module):
         routing_map, probs, layout = (*topk_to_routing_map(topk_ids, topk_probs, e), None) if routing is None \
             else routing
         if not isinstance(tokens_per_expert, torch.Tensor):
+            # as given: the local dispatcher's counts are its layout's (ops.layout_host_counts), taken as they are
             x, probs, row_id_map, pad_offsets, _ = moe_permute_and_pad_with_probs(
-                hidden, probs, routing_map, list(tokens_per_expert), a, layout=layout)
+                hidden, probs, routing_map, tokens_per_expert, a, layout=layout)
             padded = [-(-c // a) * a for c in tokens_per_expert]
             # a plain list for torch.compile (which traces the checks once, not per step)
             return x, probs, row_id_map, pad_offsets, padded if torch.compiler.is_compiling() else HostSplits(padded)

@@ -3,6 +3,7 @@
 from .dequantize import dequantize_blockwise
 from .permute import (
     PermuteLayout,
+    layout_host_counts,
     moe_permute,
     moe_permute_and_pad_with_probs,
     moe_permute_with_probs,
@@ -22,6 +23,7 @@ __all__ = [
     "dequantize_blockwise",
     "grouped_gemm",
     "grouped_gemm_wgrad",
+    "layout_host_counts",
     "moe_permute",
     "moe_permute_and_pad_with_probs",
     "moe_permute_with_probs",

@@ -17,6 +17,7 @@ index outside a tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from typing import NamedTuple, Optional, Sequence
@@ -24,7 +25,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 from ..backend import Implementation, implementation
-from ..layout import check_on_device, m_splits_tensor
+from ..layout import HostSplits, check_on_device, host_list, m_splits_tensor
 from ..recipe import HIGH_PRECISION_DTYPES
 from ..reference.permute import pair_slots
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
@@ -256,10 +257,19 @@ class PermuteLayout(NamedTuple):
     padded: torch.Tensor
 
 
-# The layouts permute_layout made, by their row map's id: weak references to their tensors and the versions autograd
-# counts in-place writes by (a tuple cannot be weakly referenced; an entry leaves when its row map is freed).
-# Eager only: a layout made under torch.compile is not recorded, and a permute refuses it.
-_LAYOUTS: dict[int, tuple] = {}
+@dataclasses.dataclass
+class _LayoutRecord:
+    """What ``permute_layout`` made: weak references to the layout's tensors (``_layout_tensors``), their versions
+    and its ``align_size``; and the counts ``layout_host_counts`` read from it (``host_counts``)."""
+    refs: tuple
+    versions: tuple
+    align_size: int
+    host_counts: Optional[HostSplits] = None
+
+
+# The layouts permute_layout made, by their row map's id (a tuple cannot be weakly referenced; an entry leaves when
+# its row map is freed). Eager only: a layout made under torch.compile is not recorded, and a permute refuses it.
+_LAYOUTS: dict[int, _LayoutRecord] = {}
 
 
 def _layout_tensors(layout: PermuteLayout) -> tuple:
@@ -280,44 +290,63 @@ def permute_layout(routing_map: torch.Tensor, align_size: int, *, backend: str =
     layout = PermuteLayout(routing_map, align_size, *impl.routing_layout(routing_map, align_size))
     if not torch.compiler.is_compiling():
         key, tensors = id(layout.row_id_map), _layout_tensors(layout)
-        _LAYOUTS[key] = (weakref.ref(layout.row_id_map, lambda _: _LAYOUTS.pop(key, None)),
-                         tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), align_size)
+        refs = tuple(weakref.ref(t, lambda _: _LAYOUTS.pop(key, None)) if t is layout.row_id_map
+                     else weakref.ref(t) for t in tensors)
+        _LAYOUTS[key] = _LayoutRecord(refs, tuple(t._version for t in tensors), align_size)
     return layout
 
 
-def _check_layout(layout, routing_map, align_size: int, op: str) -> None:
-    """``layout`` one ``permute_layout`` made from ``routing_map`` itself for ``align_size``, unchanged since."""
+def _layout_record(layout, op: str) -> _LayoutRecord:
+    """The record of ``layout``, one ``permute_layout`` made as it made it, unchanged since."""
     if not isinstance(layout, PermuteLayout):
         raise TypeError(f"{op}: layout must be None or a PermuteLayout (permute_layout), got {type(layout).__name__}")
     rec, tensors = _LAYOUTS.get(id(layout.row_id_map)), _layout_tensors(layout)
-    if rec is None or rec[0]() is not layout.row_id_map or any(r() is not t for r, t in zip(rec[1], tensors)) \
-            or rec[3] != layout.align_size:
+    if rec is None or any(r() is not t for r, t in zip(rec.refs, tensors)) or rec.align_size != layout.align_size:
         raise ValueError(f"{op}: layout must be one permute_layout made, as it made it (a layout's row map and counts "
                          "size and index the output: one built or edited elsewhere is not taken)")
-    if rec[2] != tuple(t._version for t in tensors):
+    if rec.versions != tuple(t._version for t in tensors):
         raise ValueError(f"{op}: layout's routing_map or tensors were written since permute_layout made it: make it "
                          "again from the map as it is")
+    return rec
+
+
+def _check_layout(layout, routing_map, align_size: int, op: str) -> _LayoutRecord:
+    """``layout`` one ``permute_layout`` made from ``routing_map`` itself for ``align_size``, unchanged since."""
+    rec = _layout_record(layout, op)
     if layout.routing_map is not routing_map:
         raise ValueError(f"{op}: layout was made from another routing_map: make it with permute_layout(routing_map, "
                          "align_size) from the map passed here")
     if layout.align_size != align_size:
         raise ValueError(f"{op}: layout was made for align_size={layout.align_size}, this call pads to {align_size}")
+    return rec
+
+
+def layout_host_counts(layout: PermuteLayout, before_host_wait=None) -> HostSplits:
+    """``layout.counts`` (tokens per expert) on the host, a read-only ``HostSplits``: the one host sync of a padded
+    permute with host counts (``layout.host_list``: ``before_host_wait`` runs once the copy is queued, so the GPU
+    runs what it queues while the host waits). A permute given these very counts with this layout takes them
+    without checking them against its map on the device (four launches after the wait): they are the layout's."""
+    rec = _layout_record(layout, "layout_host_counts")
+    rec.host_counts = HostSplits(host_list(layout.counts, before_host_wait))
+    return rec.host_counts
 
 
 def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_expert, backend, op, layout=None):
     x = _check_inp(inp)
     num_tokens = x.shape[0]
-    if layout is not None:
-        _check_layout(layout, routing_map, align_size, op)
+    rec = _check_layout(layout, routing_map, align_size, op) if layout is not None else None
     routing_map = _check_routing(routing_map, num_tokens, x.device)
     num_experts = routing_map.shape[1]
     probs = _check_probs(probs, (num_tokens, num_experts), x.device)
     _check_count(num_out_tokens, "num_out_tokens")
-    host_counts = _check_tokens_per_expert(tokens_per_expert, num_experts, x.device)
+    # the layout's own counts, read by layout_host_counts: checked when made, and equal to the map's by construction
+    layout_counts = rec is not None and tokens_per_expert is not None and tokens_per_expert is rec.host_counts
+    host_counts = tokens_per_expert if layout_counts else \
+        _check_tokens_per_expert(tokens_per_expert, num_experts, x.device)
     impl = implementation(backend, x, op)
     a = max(align_size or 1, 1)
     row_id_map, counts, pad_offsets, padded = impl.routing_layout(routing_map, a) if layout is None else layout[2:]
-    if tokens_per_expert is not None:
+    if tokens_per_expert is not None and not layout_counts:
         want = m_splits_tensor(host_counts, counts.device) if host_counts is not None else tokens_per_expert
         check_on_device((want.to(counts.device, torch.int64) == counts).all(),
                         f"{op}: tokens_per_expert differs from routing_map.sum(0)")
