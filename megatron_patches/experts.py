@@ -272,6 +272,7 @@ class FP8FlowMoELayer(MoELayer):
         state = self._state("dispatch")
         res = self.experts.dispatch(hidden_states, state.topk_ids, probs)
         state.topk_ids, state.tokens_per_expert, state.handle = res.topk_ids, res.tokens_per_expert, res.handle
+        state.routing, state.dispatched = res.routing, (res.hidden, res.topk_probs)
         return res.hidden, res.topk_probs
 
     def routed_experts_compute(self, hidden_states, probs: torch.Tensor):
@@ -279,8 +280,10 @@ class FP8FlowMoELayer(MoELayer):
         ``FP8FlowMoE.routed_experts`` (``experts`` with the FP8 weight cache, inside the ``moe_expert``
         recompute when set)."""
         state = self._state("routed_experts_compute")
+        # the dispatch's routing only for the tokens and probs it returned (a caller may hand others)
+        routing = state.routing if hidden_states is state.dispatched[0] and probs is state.dispatched[1] else None
         return self.experts.routed_experts(hidden_states, state.topk_ids, probs, state.tokens_per_expert,
-                                           self._take_first_microbatch()), None
+                                           self._take_first_microbatch(), routing=routing), None
 
     def combine(self, output: torch.Tensor) -> torch.Tensor:
         """``[R, H]`` -> ``[T, H]`` BF16: each token's experts summed back (``FP8FlowMoE.combine``)."""
@@ -370,14 +373,17 @@ class _PhaseState:
     """What ``FP8FlowMoELayer``'s phases pass one another besides Megatron's ``(hidden, probs)`` pairs, as
     Megatron's token dispatcher keeps its routing state: the layer input's ``shape`` and ``dtype``,
     ``topk_ids [T, k]`` (global expert ids; after dispatch ``[R, k]`` local ones), ``tokens_per_expert`` of
-    the local experts (a host list; a device tensor with ``moe_fp8_flow_cuda_graph``'s device splits) and the
-    dispatch ``handle`` combine needs."""
+    the local experts (a host list; a device tensor with ``moe_fp8_flow_cuda_graph``'s device splits), the
+    dispatch ``handle`` combine needs, and the dispatch's ``routing`` (``DispatchResult.routing``) with the
+    ``(tokens, probs)`` it returned (``dispatched``): the experts take the routing only for those."""
 
     shape: torch.Size
     dtype: torch.dtype
     topk_ids: torch.Tensor
     tokens_per_expert: Union[list, torch.Tensor, None] = None
     handle: object = None
+    routing: Optional[tuple] = None
+    dispatched: tuple = (None, None)
 
 
 def _drop_extra_states(state_dict, prefix, *args) -> None:

@@ -143,6 +143,21 @@ def test_moe_expert_recompute_wraps_the_experts_phase(world_of_one, monkeypatch)
     assert calls == [(True, {}), (False, {"rerun": True})]
 
 
+def test_the_experts_phase_takes_the_dispatch_routing_for_its_tokens(world_of_one, monkeypatch):
+    """routed_experts_compute hands the block the dispatch's routing (the local dispatcher's map and permute layout,
+    so the permute does not convert the ids and lay out the map again), but only with the tokens and probs that
+    dispatch returned: a caller passing others gets them converted from the ids."""
+    layer = _layer(_config())
+    seen, experts = [], layer.experts._experts
+    monkeypatch.setattr(layer.experts, "_experts", lambda *a: seen.append(a[-1]) or experts(*a))
+    x = torch.randn(32, 2, 128)
+    probs, routing_map = layer.route(x)
+    tokens, probs = layer.dispatch(*layer.preprocess(x, probs, routing_map))
+    layer.routed_experts_compute(tokens, probs)
+    layer.routed_experts_compute(tokens, probs.clone())
+    assert seen[0] is layer._phase.routing and seen[0][0].dtype == torch.bool and seen[1] is None
+
+
 def test_token_dropping_drops_tokens(world_of_one):
     layer = _layer(_config(**OPTIONS["token_dropping"]))
     probs, routing_map = layer.route(torch.randn(32, 2, 128))

@@ -161,11 +161,12 @@ class FP8FlowMoE(nn.Module):
             linear.reset_fp8_weight_cache()
 
     def experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert,
-                is_first_microbatch: Optional[bool] = None):
+                is_first_microbatch: Optional[bool] = None, *, routing: Optional[tuple] = None):
         """Received ``hidden [R, H]`` (1x128 FP8), local ``topk_ids``/``topk_probs [R, k]`` and
         ``tokens_per_expert`` (host list, or device tensor: ``_permute``) -> ``[R, H]`` BF16 (each token's
-        prob-weighted sum over local experts)."""
-        return self._experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+        prob-weighted sum over local experts). ``routing``: the dispatch's ``DispatchResult.routing`` for these
+        tokens (the local dispatcher's map and permute layout), taken instead of converting the ids again."""
+        return self._experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing)
 
     def _experts(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing=None):
         """``experts``, permuting with ``routing`` (``DispatchResult.routing``) where given."""
@@ -199,9 +200,9 @@ class FP8FlowMoE(nn.Module):
         return self.linear_fc2(act, padded, is_first_microbatch), row_id_map, pad_offsets
 
     def routed_experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert,
-                       is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+                       is_first_microbatch: Optional[bool] = None, *, routing: Optional[tuple] = None) -> torch.Tensor:
         """``experts`` with its FP8 weights prefetched (``prefetch_fp8_weights``: a no-op after ``dispatch``'s),
-        inside the ``moe_expert`` recompute when set.
+        inside the ``moe_expert`` recompute when set (``routing``: as for ``experts``; unused in the recompute).
 
         ``moe_expert``: permute -> fc1 -> SwiGLU -> fc2 run under a non-reentrant checkpoint that keeps only
         their inputs; unpermute runs after it and keeps the routing map it reads (``row_id_map [R, 2E+1]``
@@ -210,7 +211,7 @@ class FP8FlowMoE(nn.Module):
         no fc2 weights. fc1 reads the FP8 weights the forward cached (``is_first_microbatch`` True or False)
         or quantizes W alone again (None: backward takes the W^T the first pass kept; the rerun's own
         autograd state is dropped)."""
-        return self._routed_experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+        return self._routed_experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing)
 
     def _routed_experts(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing=None):
         """``routed_experts``, permuting with the dispatch's ``routing`` where given. Not inside the ``moe_expert``
