@@ -24,7 +24,6 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.moe_layer import BaseMoELayer, MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-from transformer_engine_moe.module.grouped_linear import release_placeholder_wgrads
 from transformer_engine_moe.ops.permute import routing_map_to_topk
 
 from .config import _MARK
@@ -425,9 +424,7 @@ def patch_set_is_first_microbatch() -> None:
 
 def patch_finish_grad_sync() -> None:
     """Make Megatron's ``DistributedDataParallel.finish_grad_sync`` drop the FP8-Flow layers' cached FP8
-    weights and release the zero wgrad placeholders of ``main_grad`` fusion (``release_placeholder_wgrads``: with
-    one grouped weight each is a ``[G, N, K]`` BF16 tensor; DDP's hooks dropped the ``.grad``s holding them)
-    (idempotent).
+    weights (idempotent).
 
     Megatron calls it once per step, after the last micro-batch's backward and before the optimizer step
     (``finalize_model_grads``). The cache, one byte per expert parameter quantized on the step's first
@@ -445,11 +442,8 @@ def patch_finish_grad_sync() -> None:
     @functools.wraps(original)
     def finish_grad_sync(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
-        layers = _fp8_flow_layers(self.module)
-        for layer in layers:
+        for layer in _fp8_flow_layers(self.module):
             layer.reset_fp8_weight_cache()
-        if layers:
-            release_placeholder_wgrads()
         return out
 
     setattr(finish_grad_sync, _MARK, True)

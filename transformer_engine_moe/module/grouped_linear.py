@@ -104,24 +104,22 @@ _PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
 
 
 def _placeholder_wgrad(weight: torch.Tensor) -> torch.Tensor:
-    """A zero tensor shaped like ``weight`` (one per shape, dtype and device, shared) returned as its
-    gradient under ``main_grad`` fusion, so autograd accumulates something and the hooks that
-    Megatron's DDP registers there run; they drop it (``grad_added_to_main_grad``). Autograd takes it as
-    ``.grad`` as it is (its storage, no copy), so the placeholder costs one zero tensor per shape, not a
-    memset per backward; ``release_placeholder_wgrads`` frees them between steps."""
+    """What ``weight``'s gradient is under ``main_grad`` fusion, so that autograd accumulates something and the
+    hooks Megatron's DDP registers there run; they drop it at once (``param.grad = None``: with
+    ``grad_added_to_main_grad`` set its value is never read, unless the weight has ``zero_out_wgrad``, when it is
+    added into ``main_grad`` and so is zero). An expert's ``[N, K]`` weight gets one zero tensor per shape, dtype and
+    device, shared and kept (as TE's per-expert dummies: autograd takes it as ``.grad`` as it is, no copy, no memset
+    per backward). A grouped ``[G, N, K]`` weight gets a new one each backward, as Megatron's own linears make
+    theirs (``torch.empty``; zeros for ``zero_out_wgrad``), freed when the hook drops it: kept, it would hold a whole
+    grouped weight's bytes through every micro-batch and the optimizer step (fc1's and fc2's 2.8 GB at
+    ``dsv3_ep8_rank``'s 32 experts)."""
+    zero = getattr(weight, "zero_out_wgrad", False)
+    if weight.dim() != 2:
+        return torch.zeros_like(weight) if zero else torch.empty_like(weight)
     key = (tuple(weight.shape), weight.dtype, weight.device)
     if key not in _PLACEHOLDERS:
         _PLACEHOLDERS[key] = torch.zeros(key[0], dtype=weight.dtype, device=weight.device)
     return _PLACEHOLDERS[key].detach()
-
-
-def release_placeholder_wgrads() -> None:
-    """Let go of the shared zero placeholders (``_placeholder_wgrad``); the next backward under ``main_grad``
-    fusion makes them again (one memset per shape). With one grouped weight a placeholder is a whole
-    ``[G, N, K]`` BF16 tensor (fc1's and fc2's: 2.8 GB at ``dsv3_ep8_rank``'s 32 experts), held for nothing
-    once DDP's hooks have dropped the ``.grad``s: ``megatron_patches`` releases them when a step's gradients
-    are final, before the optimizer step, where a run peaks (as it drops the FP8 weight cache)."""
-    _PLACEHOLDERS.clear()
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
