@@ -2,11 +2,11 @@
 
 Same signatures as ``kernels/grouped_gemm.py``. ``deep_gemm`` is imported on first
 use; ``available()`` says whether it can run here. DeepGEMM's SM90 layouts, which
-are ours (no copies on the way in):
+are ours (no copies of the operands on the way in):
 
 - fprop/dgrad, ``m_grouped_fp8_gemm_nt_contiguous``: A ``[M, K]`` E4M3 with 1x128
-  scales ``[M, K/128]`` (our COMPACT rowwise; DeepGEMM transposes the scales to its
-  TMA layout itself), B ``[G, N, K]`` E4M3 K-major with 128x128 scales
+  scales ``[M, K/128]`` (our COMPACT rowwise, handed over MN-major: a transposed copy, the
+  TMA layout DeepGEMM would otherwise make itself), B ``[G, N, K]`` E4M3 K-major with 128x128 scales
   ``[G, N/128, K/128]``, BF16 out, and ``m_indices`` int32 ``[M]``: each row's group.
   Every group's row count must be a multiple of ``alignment()`` (128 on SM90): one
   128-row tile never spans two experts. ``m_indices`` is built on the device from
@@ -140,7 +140,11 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
             a, a_scale_inv, m_indices = (torch.cat([t, t.new_empty((rows - m, *t.shape[1:]))])
                                          for t in (a, a_scale_inv, m_indices))
             m_indices[m:] = -1
-        _module().m_grouped_fp8_gemm_nt_contiguous((a, a_scale_inv), (b, b_scale_inv), c, m_indices)
+        # the scales MN-major (a [K/128, M] copy seen as [M, K/128]), as the SM90 kernel reads them: DeepGEMM then
+        # skips its own transform, whose host side (a JIT lookup, then a launch) left the GPU idle 0.2-0.4 ms per
+        # call before it at small experts (H200, qwen3_moe_like); M is a multiple of 128, so TMA-aligned
+        sfa = a_scale_inv.t().contiguous().t()
+        _module().m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, b_scale_inv), c, m_indices)
         c = c[:m]
         from .grouped_gemm import zero_weightless_rows  # Triton: present wherever DeepGEMM runs
 
