@@ -20,7 +20,10 @@ start: what the CPU spends issuing the step), ``wall_ms`` (until the GPU is done
 per step, torch profiler) and ``launches`` per step. ``host_ms`` above ``gpu_ms`` means the step waits on
 its host (issue 37's target: ``host_over_gpu`` <= 1 at ``qwen3_moe_like``); the host figures move with the
 machine's CPU. ``--profile-host``: also where the host time goes, cProfile's largest functions per step
-(``bench_host_time_profile``). Results keep the stored rows of other configurations.
+(``bench_host_time_profile``). ``--gpu-idle``: also where the GPU idles between a step's kernels, from a
+CUDA-only profiler trace that leaves the host's speed as it is (``bench_host_time_idle``: the kernels the GPU
+waits longest before, i.e. where the step waits for its host). Results keep the stored rows of other
+configurations.
 
 Run on a GPU: ``python benchmarks/bench_host_time.py --config qwen3_moe_like [--profile-host]``.
 """
@@ -31,6 +34,7 @@ import argparse
 import cProfile
 import pathlib
 import pstats
+import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -79,6 +83,51 @@ def gpu_ms_and_launches(step, steps: int) -> tuple[float, float]:
     return gpu_us / steps / 1e3, sum(e.count for e in events if e.key in LAUNCHES) / steps
 
 
+STEP_MARKER = "FillFunctor<short>"  # the kernel of ``marker.fill_(i)`` on an int16 tensor: where each step starts
+
+
+def gpu_idle(kernels, top: int = 8) -> dict:
+    """Where the GPU idles, from ``kernels``: ``(start_us, end_us, name)`` of every kernel and copy of a run of
+    back-to-back steps, each step opened by a ``STEP_MARKER`` kernel. Per step (between markers, the first and
+    last step dropped): wall from marker to marker, kernel time, idle (time no kernel ran); medians, and the
+    ``top`` kernels with the most idle before them (by position in the step, median over steps)."""
+    kernels = sorted(kernels)
+    marks = [i for i, k in enumerate(kernels) if STEP_MARKER in k[2]]
+    steps, before = [], {}
+    for a, b in zip(marks[1:-2], marks[2:-1]):
+        seg, end, busy, idle = kernels[a:b + 1], kernels[a][1], 0.0, 0.0
+        for j, (start, stop, name) in enumerate(seg[1:-1], 1):
+            gap = max(0.0, start - end)
+            idle += gap
+            busy += stop - start
+            before.setdefault((j, name), []).append(gap)
+            end = max(end, stop)
+        idle += max(0.0, seg[-1][0] - end)
+        steps.append((seg[-1][0] - seg[0][0], busy, idle, len(seg) - 2))
+    if not steps:
+        raise ValueError(f"gpu_idle needs 4 or more {STEP_MARKER!r} marker kernels (one opening each step, one after "
+                         f"the last), got {len(marks)}")
+    wall, busy, idle, count = (statistics.median(v) for v in zip(*steps))
+    worst = sorted(((statistics.median(g), j, n) for (j, n), g in before.items()), key=lambda w: (-w[0], w[1]))[:top]
+    return dict(step_us=wall, kernel_us=busy, idle_us=idle, kernels=count, steps=len(steps),
+                idle_before=[dict(position=j, kernel=n[:80], idle_us=g) for g, j, n in worst])
+
+
+def idle_trace(step, steps: int) -> dict:
+    """``gpu_idle`` of ``steps`` back-to-back ``step`` calls under the torch profiler with CUDA activity only (no
+    CPU-op recording: the host runs at its own speed, so its waits show as they are)."""
+    marker = torch.zeros(1, dtype=torch.int16, device="cuda")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            marker.fill_(i)
+            step()
+        marker.fill_(steps)
+        torch.cuda.synchronize()
+    return gpu_idle([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA])
+
+
 def host_profile(step, steps: int, sync, top: int = 25) -> list[dict]:
     """cProfile of ``steps`` calls of ``step``, each from an idle device (``sync`` before, outside the profile):
     the ``top`` functions by own time, with calls, own and cumulative ms per step."""
@@ -103,6 +152,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per block (medians)")
     parser.add_argument("--profile-host", action="store_true",
                         help="also cProfile each block's steps: bench_host_time_profile .json/.md")
+    parser.add_argument("--gpu-idle", action="store_true",
+                        help="also where the GPU idles between kernels (CUDA-only trace): bench_host_time_idle")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
@@ -115,7 +166,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main():
     args = parse_args()
     env = utils.environment()
-    rows, host_rows = [], []
+    rows, host_rows, idle_rows = [], [], []
     for config in args.config:
         c = CONFIGS[config]
         for tokens in args.tokens or c["tokens"]:
@@ -132,6 +183,10 @@ def main():
                                  host_over_gpu=host / gpu))
                 if args.profile_host:
                     host_rows += [dict(shape, block=name, **r) for r in host_profile(step, 10, torch.cuda.synchronize)]
+                if args.gpu_idle:
+                    idle = idle_trace(step, 12)
+                    idle_rows += [dict(shape, block=name, **{k: v for k, v in idle.items() if k != "idle_before"})]
+                    idle_rows += [dict(shape, block=name, **r) for r in idle["idle_before"]]
             del inputs, block, step
             torch.cuda.empty_cache()
     shapes = ["config", "experts", "hidden", "ffn", "topk", "tokens", "block"]
@@ -145,6 +200,16 @@ def main():
               "environment: the device and date of each configuration's rows (rows of configurations this run "
               "did not measure are kept from earlier runs).")
     print(path.read_text())
+    if idle_rows:
+        path = utils.write_results(
+            "bench_host_time_idle", "Where the GPU idles in back-to-back MoE layer steps", env, {}, idle_rows,
+            shapes + ["step_us", "kernel_us", "idle_us", "kernels", "steps", "position", "kernel"],
+            notes="torch profiler with CUDA activity only (the host not slowed by CPU-op recording), 12 back-to-back "
+                  "steps, each opened by a marker kernel, the first and last dropped. Per block one row of medians "
+                  "(step wall, kernel time, idle: no kernel running; kernels per step), then its kernels with the "
+                  "most idle before them (position in the step, median idle_us over the steps): where the step "
+                  "waits for its host to issue the next kernel.")
+        print(path.read_text())
     if host_rows:
         path = utils.write_results(
             "bench_host_time_profile", "Where one MoE layer step's host time goes (cProfile)", env, {}, host_rows,

@@ -1,5 +1,6 @@
 """benchmarks/bench_host_time.py on the CPU: its configurations, command line, blocks stepped at toy size with the
-host timing loop, and the cProfile rows of ``--profile-host`` (the torch-profiler part needs a GPU)."""
+host timing loop, the cProfile rows of ``--profile-host`` and the idle accounting of ``--gpu-idle`` on a made-up
+trace (the torch-profiler part needs a GPU)."""
 
 import pytest
 
@@ -14,8 +15,9 @@ def test_configurations():
 
 
 def test_arguments():
-    args = bench.parse_args(["--config", "qwen3_moe_like", "deepseek_small", "--profile-host"])
+    args = bench.parse_args(["--config", "qwen3_moe_like", "deepseek_small", "--profile-host", "--gpu-idle"])
     assert args.config == ["qwen3_moe_like", "deepseek_small"] and args.profile_host and args.tokens is None
+    assert args.gpu_idle and not bench.parse_args([]).gpu_idle
     assert bench.parse_args([]).config == ["deepseek_small"] and not bench.parse_args([]).profile_host
     assert bench.parse_args(["--tokens", "8192"]).tokens == [8192]
 
@@ -44,3 +46,24 @@ def test_every_block_steps_with_cached_weights_on_the_cpu():
     assert len(rows) == 5 and rows == sorted(rows, key=lambda r: -r["own_ms"])
     assert all(r["calls"] > 0 and 0 <= r["own_ms"] <= r["cumulative_ms"] + 1e-9 for r in rows)
     assert all(":" in r["function"] and "(" in r["function"] for r in rows)
+
+
+def test_gpu_idle_finds_where_the_gpu_waits():
+    """``gpu_idle`` on a made-up trace of five steps, each opened by a marker: a 10 us kernel, 50 us of idle, a
+    100 us kernel with a 30 us one overlapping it (another stream), 5 us of idle before the next marker; the
+    first and last steps differ and are dropped. Medians per step and the kernels with the most idle before them."""
+    mark = f"void at::native::vectorized_elementwise_kernel<4, {bench.STEP_MARKER}>"
+    trace, t = [], 0.0
+    for i in range(5):
+        first = 400.0 if i in (0, 4) else 50.0  # the dropped steps idle longer
+        trace += [(t, t + 1, mark), (t + 1, t + 11, "quantize"), (t + 11 + first, t + 111 + first, "gemm"),
+                  (t + 20 + first, t + 50 + first, "copy")]
+        t += 116 + first
+    trace.append((t, t + 1, mark))
+    res = bench.gpu_idle(reversed(trace), top=2)
+    assert res["steps"] == 3 and res["kernels"] == 3
+    assert res["step_us"] == 166 and res["kernel_us"] == 140 and res["idle_us"] == 55  # 0 + 50 + 0 (overlap) + 5
+    assert res["idle_before"] == [dict(position=2, kernel="gemm", idle_us=50.0),
+                                  dict(position=1, kernel="quantize", idle_us=0.0)]
+    with pytest.raises(ValueError, match="gpu_idle needs 4 or more"):
+        bench.gpu_idle(trace[:9])
