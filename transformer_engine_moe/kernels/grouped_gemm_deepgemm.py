@@ -141,8 +141,9 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
                                          for t in (a, a_scale_inv, m_indices))
             m_indices[m:] = -1
         # the scales MN-major (a [K/128, M] copy seen as [M, K/128]), as the SM90 kernel reads them: DeepGEMM then
-        # skips its own transform, whose host side (a JIT lookup, then a launch) left the GPU idle 0.2-0.4 ms per
-        # call before it at small experts (H200, qwen3_moe_like); M is a multiple of 128, so TMA-aligned
+        # skips its own transform (a JIT lookup and a launch on the host), which sat on the host-bound path into the
+        # GEMM where the GPU idled 0.2-0.4 ms per call at small experts (H200, qwen3_moe_like; docs/grouped_gemm.md);
+        # M is a multiple of 128, so TMA-aligned
         sfa = a_scale_inv.t().contiguous().t()
         _module().m_grouped_fp8_gemm_nt_contiguous((a, sfa), (b, b_scale_inv), c, m_indices)
         c = c[:m]
