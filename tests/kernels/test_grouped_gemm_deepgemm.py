@@ -169,13 +169,15 @@ def test_fewer_rows_than_the_shape_has_had_run_as_more(monkeypatch, splits):
     runs as one of min(``MIN_ROWS``, the most it has had) rows: the extra rows a weightless group (``m_indices``
     -1) and the output the leading rows, equal to the unpadded product. Calls as large as any before, and calls
     of a shape that never had more, run as they are. A fake ``deep_gemm`` (its contract: the rows of group -1
-    untouched), the zeroing kernel on the kernels' device; the real DeepGEMM is the GPU tests' above, whose later
-    calls of one shape have fewer rows than its first."""
+    untouched; its scales MN-major), the zeroing kernel on the kernels' device; the real DeepGEMM is the GPU tests'
+    above, whose later calls of one shape have fewer rows than its first."""
     seen = []
 
     def m_grouped(a, b, d, m_indices):
         (a, sa), (b, sb) = a, b
         assert a.shape[0] == sa.shape[0] == d.shape[0] == m_indices.shape[0] and d.is_contiguous()
+        # the scales MN-major and TMA-aligned, as the SM90 kernel reads them: DeepGEMM then skips its own transform
+        assert sa.stride() == (1, sa.shape[0]) and sa.shape[0] % 4 == 0
         seen.append((a.shape[0], m_indices.clone()))
         x = a.float() * sa.repeat_interleave(128, 1)
         w = b.float() * sb.repeat_interleave(128, 1).repeat_interleave(128, 2)
