@@ -62,7 +62,8 @@ class DispatchResult:
     ``topk_ids``: int64 ``[R, k]``, LOCAL expert ids in ``[0, E_local)``, -1 where the slot's expert
     lives on another rank (or was not selected). ``topk_probs``: float32 ``[R, k]``, 0 where -1.
     ``tokens_per_expert``: received slots per local expert: a host list of E_local ints (an int64
-    device tensor ``[E_local]`` from ``LocalTokenDispatcher(host_counts=False)``).
+    device tensor ``[E_local]`` from ``LocalTokenDispatcher(host_counts=False)``; from the local dispatcher with an
+    ``align_size``, its layout's counts, a read-only ``layout.HostSplits``: ``ops.layout_host_counts``).
     ``handle``: pass to ``combine``.
     ``routing``: ``(routing_map [R, E_local] bool, probs [R, E_local] float32, layout)``: ``topk_ids`` and
     ``topk_probs`` as ``ops.topk_to_routing_map`` converts them, where the dispatcher made it to check the ids
