@@ -45,17 +45,19 @@ class _BF16TokensMoE(FP8FlowMoE):
         twin.recompute = None
         return twin
 
-    def _routed_experts(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing=None):
+    def routed_experts(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch=None, *,
+                       routing=None):
         if self.recompute is not None:
             raise ValueError(f"{type(self).__name__} runs without recompute; moe_expert is FP8-Flow's "
                              f"(got recompute={self.recompute!r})")
-        return super()._routed_experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing)
+        return super().routed_experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch,
+                                      routing=routing)
 
     def quantize(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
 
-    def _experts(self, hidden, topk_ids, topk_probs, tokens_per_expert: list[int],
-                 is_first_microbatch: Optional[bool] = None, routing=None) -> torch.Tensor:
+    def experts(self, hidden, topk_ids, topk_probs, tokens_per_expert: list[int],
+                is_first_microbatch: Optional[bool] = None, *, routing=None) -> torch.Tensor:
         """BF16 ``hidden [R, H]``, local ``topk_ids``/``topk_probs [R, k]``, host ``tokens_per_expert`` ->
         ``[R, H]`` BF16, with ``FP8FlowMoE.experts``'s permute+pad (``routing``: the dispatch's) and unpermute."""
         x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert,

@@ -148,8 +148,9 @@ def test_the_experts_phase_takes_the_dispatch_routing_for_its_tokens(world_of_on
     so the permute does not convert the ids and lay out the map again), but only with the tokens and probs that
     dispatch returned: a caller passing others gets them converted from the ids."""
     layer = _layer(_config())
-    seen, experts = [], layer.experts._experts
-    monkeypatch.setattr(layer.experts, "_experts", lambda *a: seen.append(a[-1]) or experts(*a))
+    seen, experts = [], layer.experts.experts
+    monkeypatch.setattr(layer.experts, "experts",
+                        lambda *a, routing: seen.append(routing) or experts(*a, routing=routing))
     x = torch.randn(32, 2, 128)
     probs, routing_map = layer.route(x)
     tokens, probs = layer.dispatch(*layer.preprocess(x, probs, routing_map))

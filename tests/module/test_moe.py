@@ -215,13 +215,13 @@ def test_weights_are_quantized_during_dispatch(monkeypatch, dispatcher, flag):
     reference = step(block, x, ids, probs)
     monkeypatch.undo()
     quantized, seen = [], []
-    real_quantize, real_dispatch, real_experts = grouped_linear.quantize_grouped_weight, block.dispatch, block._experts
+    real_quantize, real_dispatch, real_experts = grouped_linear.quantize_grouped_weight, block.dispatch, block.experts
     monkeypatch.setattr(grouped_linear, "quantize_grouped_weight",
                         lambda ws, *a, **kw: quantized.append("dispatch" if seen == ["dispatch"] else "elsewhere")
                         or real_quantize(ws, *a, **kw))
     monkeypatch.setattr(block, "dispatch", lambda *a: seen.append("dispatch") or real_dispatch(*a))
-    # _experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing): the forward's path
-    monkeypatch.setattr(block, "_experts", lambda *a: seen.append(a[4]) or real_experts(*a))
+    # experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing=): the forward's path
+    monkeypatch.setattr(block, "experts", lambda *a, **kw: seen.append(a[4]) or real_experts(*a, **kw))
     monkeypatch.setattr(block, "forward_topk", lambda *a, first=block.forward_topk: first(*a, is_first_microbatch=flag))
     first = step(block, x, ids, probs)
     assert quantized == ["dispatch", "dispatch"] and seen == ["dispatch", flag]
@@ -267,7 +267,7 @@ def test_the_ids_are_converted_to_a_routing_map_once(monkeypatch, recompute):
     # the permute takes the layout the dispatcher queued before its host wait (not moe_expert's region)
     assert layouts == ([True] if recompute is None else [False, False])
     reference = block.experts  # the phases without the dispatch's map: permute converts the ids
-    monkeypatch.setattr(block, "_routed_experts", lambda h, i, p, n, f, routing: reference(h, i, p, n, f))
+    monkeypatch.setattr(block, "routed_experts", lambda h, i, p, n, f, routing: reference(h, i, p, n, f))
     want = step(block, x, ids, probs)
     for u, v in zip(want[:3], got[:3]):
         assert torch.equal(u, v)
@@ -318,7 +318,7 @@ def test_weights_prefetched_by_a_forward_that_raised_are_dropped(monkeypatch, ph
     if phase == "dispatch":
         monkeypatch.setattr(block.dispatcher, "dispatch", lambda *a: a[-1]() or 1 / 0)
     else:
-        monkeypatch.setattr(block, "_experts", lambda *a: 1 / 0)
+        monkeypatch.setattr(block, "experts", lambda *a, **kw: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         block.forward_topk(x, ids, probs)
     h = torch.randn(128, H).bfloat16()

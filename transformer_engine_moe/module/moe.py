@@ -166,10 +166,6 @@ class FP8FlowMoE(nn.Module):
         ``tokens_per_expert`` (host list, or device tensor: ``_permute``) -> ``[R, H]`` BF16 (each token's
         prob-weighted sum over local experts). ``routing``: the dispatch's ``DispatchResult.routing`` for these
         tokens (the local dispatcher's map and permute layout), taken instead of converting the ids again."""
-        return self._experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing)
-
-    def _experts(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing=None):
-        """``experts``, permuting with ``routing`` (``DispatchResult.routing``) where given."""
         y, row_id_map, pad_offsets = self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch,
                                                routing=routing)
         return self._unpermute(y, row_id_map, pad_offsets)
@@ -210,18 +206,15 @@ class FP8FlowMoE(nn.Module):
         saved tensors and fc2's FP8 input, and ends there (checkpoint's early stop): no fc2 GEMM and
         no fc2 weights. fc1 reads the FP8 weights the forward cached (``is_first_microbatch`` True or False)
         or quantizes W alone again (None: backward takes the W^T the first pass kept; the rerun's own
-        autograd state is dropped)."""
-        return self._routed_experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing)
-
-    def _routed_experts(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing=None):
-        """``routed_experts``, permuting with the dispatch's ``routing`` where given. Not inside the ``moe_expert``
-        recompute: its region keeps its inputs until backward, and the ``[R, k]`` ids are smaller than the
-        ``[R, E]`` map and probs, so the region converts the ids itself (the dispatch's map and layout then go
-        unused: a few small launches before the host wait, where the GPU is still busy with earlier work)."""
+        autograd state is dropped). The recompute's region does not take ``routing``: it keeps its inputs until
+        backward, and the ``[R, k]`` ids are smaller than the ``[R, E]`` map and probs, so it converts the ids
+        itself (the dispatch's map and layout then go unused: a few small launches before the host wait, where the
+        GPU is still busy with earlier work)."""
         try:
             self.prefetch_fp8_weights(is_first_microbatch)
             if self.recompute != "moe_expert":
-                return self._experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing)
+                return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch,
+                                    routing=routing)
             # no RNG state kept: the experts draw no random numbers, and reading the CUDA generator's state is
             # refused inside a CUDA graph capture (GraphedFP8FlowMoE captures this checkpoint)
             y, row_id_map, pad_offsets = torch.utils.checkpoint.checkpoint(
@@ -336,8 +329,8 @@ class FP8FlowMoE(nn.Module):
         except BaseException:  # weights prefetched for a forward that raised are never used later
             self.drop_prefetched_fp8_weights()
             raise
-        y = self._routed_experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert, is_first_microbatch,
-                                 res.routing)
+        y = self.routed_experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert, is_first_microbatch,
+                                routing=res.routing)
         return self.combine(y, res.handle)
 
 
