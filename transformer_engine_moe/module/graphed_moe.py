@@ -38,7 +38,7 @@ Weight gradients, as the eager block gives them:
   accumulation, or with ``accumulate_into_main_grad=True`` when every weight has a ``main_grad`` at capture:
   the backward graph adds the weight-dtype gradient into it, which is what Megatron's DDP hook adds from
   ``.grad`` (the same sums, bit for bit; written over it where ``overwrite_main_grad`` is set); the weights get
-  ``grad_added_to_main_grad = True`` and autograd the shared zero placeholders, so DDP's hooks fire and add
+  ``grad_added_to_main_grad = True`` and autograd the kept zero placeholders, so DDP's hooks fire and add
   nothing, as with TE's fused wgrad. No ``[G, N, K]`` gradient leaves the graph;
 - otherwise into static buffers that autograd accumulates into ``.grad`` (a copy: autograd cannot take over
   a buffer the graph writes again).

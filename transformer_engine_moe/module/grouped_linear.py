@@ -23,9 +23,9 @@ used as is, never dequantized. Per step:
   scaling-aware transposes of dY and of the kept input. With
   ``fuse_wgrad_accumulation``, wgrad is added into each weight's ``main_grad``
   (Megatron), or written over it where the weights have ``overwrite_main_grad`` set
-  (Megatron-FSDP), and ``.grad`` gets a placeholder, as in TE: Megatron's DDP hooks fire
-  when the weight's gradient is accumulated, and skip weights whose
-  ``grad_added_to_main_grad`` is set.
+  (Megatron-FSDP), and ``.grad`` gets a zero placeholder, as in TE (an empty sparse one for a
+  grouped weight: no bytes): Megatron's DDP hooks fire when the weight's gradient is accumulated,
+  and skip weights whose ``grad_added_to_main_grad`` is set.
 
 One parameter per expert costs host time in every backward (autograd's gradient
 accumulation and each hook Megatron's DDP registers there, per parameter and micro-batch);
@@ -107,18 +107,23 @@ def _placeholder_wgrad(weight: torch.Tensor) -> torch.Tensor:
     """What ``weight``'s gradient is under ``main_grad`` fusion, so that autograd accumulates something and the
     hooks Megatron's DDP registers there run; they drop it at once (``param.grad = None``: with
     ``grad_added_to_main_grad`` set its value is never read, unless the weight has ``zero_out_wgrad``, when it is
-    added into ``main_grad`` and so is zero). An expert's ``[N, K]`` weight gets one zero tensor per shape, dtype and
-    device, shared and kept (as TE's per-expert dummies: autograd takes it as ``.grad`` as it is, no copy, no memset
-    per backward). A grouped ``[G, N, K]`` weight gets a new one each backward, as Megatron's own linears make
-    theirs (``torch.empty``; zeros for ``zero_out_wgrad``), freed when the hook drops it: kept, it would hold a whole
-    grouped weight's bytes through every micro-batch and the optimizer step (fc1's and fc2's 2.8 GB at
-    ``dsv3_ep8_rank``'s 32 experts)."""
-    zero = getattr(weight, "zero_out_wgrad", False)
-    if weight.dim() != 2:
-        return torch.zeros_like(weight) if zero else torch.empty_like(weight)
+    added into ``main_grad`` and so must be zero). Kept, one per shape, dtype and device:
+    - an expert's ``[N, K]`` weight: a zero tensor (as TE's per-expert dummies: autograd takes it as ``.grad`` as
+      it is, no copy, no memset per backward);
+    - a grouped ``[G, N, K]`` weight: an empty sparse COO tensor of its shape, an exact zero that holds no bytes
+      (as ``nn.Embedding(sparse=True)`` hands a dense weight a sparse gradient). A dense one would be a whole
+      grouped weight's bytes, fc1's and fc2's 2.8 GB at ``dsv3_ep8_rank``'s 32 experts: kept, held through every
+      micro-batch; made per backward (``torch.empty``, as Megatron's own linears make theirs), a transient on
+      top of the backward's activations."""
     key = (tuple(weight.shape), weight.dtype, weight.device)
     if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.zeros(key[0], dtype=weight.dtype, device=weight.device)
+        if weight.dim() == 2:
+            _PLACEHOLDERS[key] = torch.zeros(key[0], dtype=weight.dtype, device=weight.device)
+        else:
+            indices = torch.empty(weight.dim(), 0, dtype=torch.long, device=weight.device)
+            values = torch.empty(0, dtype=weight.dtype, device=weight.device)
+            _PLACEHOLDERS[key] = torch.sparse_coo_tensor(indices, values, key[0], is_coalesced=True,
+                                                         check_invariants=False)
     return _PLACEHOLDERS[key].detach()
 
 
@@ -216,7 +221,7 @@ class GroupedLinear(nn.Module):
         device: where parameters live.
         recipe: the ``FP8FlowRecipe`` (E4M3 or HYBRID, power-of-two scales).
         fuse_wgrad_accumulation: add weight gradients into ``weight{i}.main_grad`` (FP32)
-            instead of ``.grad`` (which gets a shared zero placeholder, as in TE), as Megatron's
+            instead of ``.grad`` (which gets a kept zero placeholder, as in TE), as Megatron's
             gradient-accumulation fusion; write them over it where the weights have
             ``overwrite_main_grad = True`` (Megatron-FSDP's attribute, honoured as TE does).
         backend: ``"auto"``, ``"triton"``, ``"cublas"`` or ``"reference"`` (``ops.grouped_gemm``).
