@@ -21,6 +21,8 @@ Runs (``VARIANTS``; ``MAIN_VARIANTS`` by default):
   wgrads added into ``main_grad`` by their own GEMMs (``--moe-fp8-flow-gradient-accumulation-fusion``: without
   Apex Megatron's own linears cannot fuse, and the stand-in's ``torch._grouped_mm`` cannot either);
   ``fp8_flow_graph_single_weight``: ``fp8_flow_single_weight`` with the expert path in CUDA graphs (EP=1);
+  ``fp8_flow_single_weight_moe_expert_no_cache``: without the FP8 weight cache (``disable_parameter_transpose_cache``,
+  set by ``megatron_bench_entry.py --bench-no-fp8-weight-cache``): weights quantized on every micro-batch;
 - with TransformerEngine installed: ``te_bf16`` (Megatron's ``TEGroupedMLP``), ``te_blockwise`` (TE's blockwise
   FP8 everywhere, ``--fp8-format e4m3 --fp8-recipe blockwise``) and ``fp8_flow_single_weight_te_blockwise``
   (FP8-Flow experts, TE's blockwise FP8 for the dense layers).
@@ -123,6 +125,9 @@ VARIANTS = {
     "fp8_flow": Variant(FP8_FLOW),
     "fp8_flow_single_weight": Variant(f"{FP8_FLOW} {SINGLE_WEIGHT}", search=True),
     "fp8_flow_single_weight_moe_expert": Variant(f"{FP8_FLOW} {SINGLE_WEIGHT} {MOE_EXPERT}", search=True),
+    # no FP8 weight cache: weights quantized on every micro-batch (and again by moe_expert's recompute)
+    "fp8_flow_single_weight_moe_expert_no_cache": Variant(
+        f"{FP8_FLOW} {SINGLE_WEIGHT} {MOE_EXPERT} --bench-no-fp8-weight-cache", search=True),
     "fp8_flow_moe_expert": Variant(f"{FP8_FLOW} {MOE_EXPERT}", search=True),
     # the expert path captured in CUDA graphs (EP=1 only); graphs hold one token count: no micro-batch search
     "fp8_flow_graph_single_weight": Variant(f"{FP8_FLOW} {SINGLE_WEIGHT} --moe-fp8-flow-cuda-graph"),
@@ -177,7 +182,8 @@ PROBE_FIELDS = ("activation_mib_per_moe_layer", "activation_mib_moe_layers", "st
                 "probed_micro_batch", "activation_probe_note", "max_micro_batch", "max_micro_batch_capped",
                 "max_micro_batch_tries", "max_micro_batch_note", "activation_probe_error", "max_micro_batch_error",
                 "graph_pool_allocated_mib", "graph_pool_reserved_mib", "graph_pool_mib_per_moe_layer",
-                "graph_pool_error")
+                "graph_pool_error", "peak_before_probe_mib", "peak_before_optimizer_mib", "peak_after_optimizer_mib",
+                "peaks_step", "step_peaks_error")
 
 
 def bench_lines(text: str) -> dict:
@@ -204,7 +210,10 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int, warmup: int = WARMUP_I
     tail = logged[-max(1, len(logged) // 4):]
     iter_ms = sum(steady) / len(steady)
     allocator = megatron_log.allocator_reports(text)
-    max_allocated = megatron_log.max_allocated_mib(text)
+    facts = bench_lines(text)
+    # the activation probe resets the peak counter: the peak it kept counts too
+    reports = (megatron_log.max_allocated_mib(text), facts.get("peak_before_probe_mib"))
+    max_allocated = max((r for r in reports if r is not None), default=None)
     return dict(alloc_retries=max(r.retries for r in allocator) if allocator else None,
                 reserved_peak_mib=max(r.reserved_peak_mib for r in allocator) if allocator else None,
                 tokens_per_s_per_gpu=tokens_per_iter / iter_ms * 1e3 / gpus, iter_ms=iter_ms,
@@ -213,7 +222,7 @@ def parse_log(text: str, tokens_per_iter: int, gpus: int, warmup: int = WARMUP_I
                 max_allocated_mib=float("nan") if max_allocated is None else max_allocated,
                 final_loss=sum(loss for *_, loss in tail) / len(tail), curve=[loss for *_, loss in logged],
                 curve_iters=[i for i, *_ in logged],
-                experts=megatron_log.experts_line(text) or "", **bench_lines(text))
+                experts=megatron_log.experts_line(text) or "", **facts)
 
 
 def outcome(status: str, out: str, tokens_per_iter: int, gpus: int, warmup: int = WARMUP_ITERS) -> dict:
@@ -412,7 +421,8 @@ def write(table: str, rows: list[dict], env: dict) -> pathlib.Path:
         r.setdefault("vs_bf16_grouped_mm", None)
     columns = ["config", "variant", "status", "layers", "micro_batch_size", "micro_batches", "tokens_per_s_per_gpu",
                "vs_bf16_grouped_mm", "tokens_per_s_spread", "repeats", "call", "iter_ms", "max_allocated_mib",
-               "activation_mib_per_moe_layer", "graph_pool_mib_per_moe_layer", "step_activation_peak_mib",
+               "peak_before_optimizer_mib", "activation_mib_per_moe_layer", "graph_pool_mib_per_moe_layer",
+               "step_activation_peak_mib",
                "max_micro_batch", "alloc_retries",
                "wall_s", "attention", "optimizer", "grad_accumulation", "experts", "error"]
     notes = (
@@ -422,10 +432,14 @@ def write(table: str, rows: list[dict], env: dict) -> pathlib.Path:
         "`tokens_per_s_per_gpu`, `iter_ms`: medians over the row's `repeats` runs (the variants interleaved in one "
         "call); `tokens_per_s_spread`: (max - min) / median; `call`: when the call that measured the row began (a "
         "later call keeps the rows of the variants it did not run); `vs_bf16_grouped_mm`: against the median of the"
-        " stand-in that call measured. `max_allocated_mib`: Megatron's report after the first iteration (its "
-        "optimizer step included). Measured inside Megatron's step in each variant's first run only (the other "
-        "repeats run without probes): `activation_mib_per_moe_layer`: on the second micro-batch of the second "
-        "iteration, per MoE layer, memory allocated when its forward returned minus when it started, less its "
+        " stand-in that call measured. `max_allocated_mib`: the most of Megatron's reports after the first and "
+        "second iterations (the second's micro-batches run beside the optimizer state the first step made) and "
+        "of the probe's `peak_before_probe_mib`; first run only: `peak_before_optimizer_mib`: the peak in the "
+        "second iteration's micro-batches, just before its optimizer step (`peak_after_optimizer_mib`: just "
+        "after it): where it equals `max_allocated_mib` the micro-batches set the peak. Measured inside "
+        "Megatron's step in each variant's first run only (the other repeats run without probes): "
+        "`activation_mib_per_moe_layer`: on the second micro-batch of the second iteration, per MoE layer, memory "
+        "allocated when its forward returned minus when it started, less its "
         "output's bytes (what the layer keeps for backward), averaged over the MoE layers (with the expert path in"
         " CUDA graphs it keeps them in the graphs' pools instead, allocated at capture: "
         "`graph_pool_mib_per_moe_layer`, the pools' allocated MiB after the run over the MoE layers); "

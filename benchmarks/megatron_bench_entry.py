@@ -6,7 +6,10 @@
   (``megatron_grouped_mm.GroupedMMExperts``) instead of FP8-Flow (``--moe-fp8-flow``) or Megatron's own;
 - ``--bench-sdpa-attention``: every self-attention's core is the torch SDPA core (``sdpa_attention``), for
   runs without TransformerEngine (``--transformer-impl local``);
-- ``--bench-probe-memory``: the activation probes of ``megatron_memory_probes`` during training;
+- ``--bench-probe-memory``: the activation probes of ``megatron_memory_probes`` during training and where the
+  second iteration's memory peak falls (``StepPeaks``);
+- ``--bench-no-fp8-weight-cache``: the config's ``disable_parameter_transpose_cache`` set (Megatron has no flag
+  for it): FP8-Flow quantizes its weights on every micro-batch instead of caching them for the step;
 - ``--bench-max-micro-batch-cap N``: after training, the largest micro-batch size (sequences, at most ``N``)
   whose forward and backward fit the GPU beside the run's parameters, gradients and optimizer state (one GPU
   only: at EP > 1 a rank that runs out of memory would leave the others waiting in their all-to-all);
@@ -39,7 +42,7 @@ import time
 import torch
 
 import kernel_profile
-from megatron_memory_probes import ActivationProbe, fits, graph_pool_mib, largest_that_trains
+from megatron_memory_probes import ActivationProbe, StepPeaks, fits, graph_pool_mib, largest_that_trains
 
 
 def parse_bench_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -48,6 +51,7 @@ def parse_bench_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--bench-grouped-mm", action="store_true")
     parser.add_argument("--bench-sdpa-attention", action="store_true")
     parser.add_argument("--bench-probe-memory", action="store_true")
+    parser.add_argument("--bench-no-fp8-weight-cache", action="store_true")
     parser.add_argument("--bench-max-micro-batch-cap", type=int, default=0)
     parser.add_argument("--bench-profile-iteration", type=int, default=0)
     parser.add_argument("--bench-profile-out", default="")
@@ -67,12 +71,15 @@ def parse_bench_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def layer_spec(bench: argparse.Namespace):
     """The ``megatron_pretrain`` layer-spec hook: ``(spec, config) ->`` Megatron's spec with the SDPA core
     attention when asked, then the stand-in's experts or FP8-Flow's layers (``fp8_flow_layer_spec``: no change
-    without ``--moe-fp8-flow``)."""
+    without ``--moe-fp8-flow``); ``config.disable_parameter_transpose_cache`` set with
+    ``--bench-no-fp8-weight-cache`` (the model's layers share this config)."""
     from megatron_grouped_mm import grouped_mm_layer_spec
     from megatron_patches.experts import fp8_flow_layer_spec
     from sdpa_attention import sdpa_layer_spec
 
     def build(spec, config):
+        if bench.bench_no_fp8_weight_cache:
+            config.disable_parameter_transpose_cache = True
         if bench.bench_sdpa_attention:
             spec = sdpa_layer_spec(spec)
         return grouped_mm_layer_spec(spec, config) if bench.bench_grouped_mm else fp8_flow_layer_spec(spec, config)
@@ -179,7 +186,7 @@ def probed_train(train, bench: argparse.Namespace):
         from megatron.core.transformer.moe.moe_layer import MoELayer
         from megatron.training import get_args
 
-        probe = None
+        probe, peaks = None, StepPeaks(optimizer) if bench.bench_probe_memory else None
         moe_layers = [m for m in model[0].modules() if isinstance(m, MoELayer)]
         graphed = bool(getattr(get_args(), "moe_fp8_flow_cuda_graph", False))
         if bench.bench_probe_memory and not graphed:
@@ -191,6 +198,9 @@ def probed_train(train, bench: argparse.Namespace):
                 report(dict(activation_probe_note="needs >= 2 micro-batches per iteration"))
         out = train(forward_step_func, model, optimizer, *args, **kwargs)
         report_safely("run_facts", lambda: run_facts(model, optimizer))
+        if peaks is not None:
+            peaks.remove()
+            report_safely("step_peaks", peaks.result)
         if probe is not None:
             probe.remove()
             report_safely("activation_probe", probe.result)

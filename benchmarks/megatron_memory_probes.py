@@ -1,6 +1,6 @@
 """Memory measured inside Megatron's training step (benchmark only; ``megatron_bench_entry.py`` installs them).
 
-Three measurements, in MiB (``torch.cuda.memory_allocated``: the caching allocator's live tensors, no
+Four measurements, in MiB (``torch.cuda.memory_allocated``: the caching allocator's live tensors, no
 synchronisation; the counters are arguments, so the logic is tested on the CPU with fakes):
 
 - ``ActivationProbe``: on one micro-batch of the run (``target``, counted in model forwards from 0; the
@@ -10,7 +10,14 @@ synchronisation; the counters are arguments, so the logic is tested on the CPU w
   kept for backward): **what the layer keeps for its backward** (``activation_mib_per_moe_layer``, the mean over
   the MoE layers). And **the step's activation peak** (``step_activation_peak_mib``): the most memory allocated
   between that micro-batch's forward start and the next micro-batch's forward start (its forward, loss,
-  backward and gradient accumulation) minus what was allocated when it started.
+  backward and gradient accumulation) minus what was allocated when it started. It resets the peak counter
+  there, so it keeps the peak it found (``peak_before_probe_mib``: the run's until then, the second iteration's
+  first micro-batch included), which Megatron's later memory reports no longer see.
+- ``StepPeaks``: where a steady iteration's memory peak is set: the peak just before the second optimizer step
+  (since the activation probe's reset in that iteration: its micro-batches, with the optimizer state made by
+  the first step and the FP8 weight cache; ``peak_before_optimizer_mib``) and just after it
+  (``peak_after_optimizer_mib``). Megatron's memory report after the second iteration is the larger; which of
+  the two it is tells what a change must cut.
 - ``graph_pool_mib``: with the expert path in CUDA graphs, what their private memory pools hold (the
   activations a graphed layer keeps live there, allocated at capture), per MoE layer.
 - ``largest_that_trains``: the largest micro-batch size whose forward and backward run without
@@ -55,6 +62,7 @@ class ActivationProbe:
         self.forwards = 0
         self.before: Optional[int] = None
         self.step_peak: Optional[int] = None
+        self.peak_before: Optional[int] = None
         self.kept: dict[int, int] = {}
         self._starts: dict[int, int] = {}
         self._handles = [model.register_forward_pre_hook(self._micro_batch)]
@@ -64,6 +72,7 @@ class ActivationProbe:
 
     def _micro_batch(self, module, args) -> None:
         if self.forwards == self.target:
+            self.peak_before = self.peak()
             self.reset_peak()
             self.before = self.allocated()
         elif self.forwards == self.target + 1:
@@ -86,12 +95,52 @@ class ActivationProbe:
             return {}
         layers = [self.kept[i] / MIB for i in sorted(self.kept)]
         return dict(activation_mib_per_moe_layer=sum(layers) / len(layers), activation_mib_moe_layers=layers,
-                    step_activation_peak_mib=self.step_peak / MIB, probed_micro_batch=self.target)
+                    step_activation_peak_mib=self.step_peak / MIB, probed_micro_batch=self.target,
+                    peak_before_probe_mib=self.peak_before / MIB)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class StepPeaks:
+    """Wraps ``optimizer.step`` until its ``step``-th call (from 1): the memory peak (``peak() -> int``, default
+    CUDA's) just before and just after that call; the wrapper is then taken off (or by ``remove()``).
+    ``result()``: ``peak_before_optimizer_mib``, ``peak_after_optimizer_mib`` and ``peaks_step`` once that step
+    ran, else empty."""
+
+    def __init__(self, optimizer, step: int = 2, peak: Callable[[], int] = torch.cuda.max_memory_allocated):
+        if step < 1:
+            raise ValueError(f"StepPeaks counts optimizer steps from 1, got step={step}")
+        self.optimizer, self.target, self.peak = optimizer, step, peak
+        self.step, self.own = optimizer.step, "step" in vars(optimizer)
+        self.calls, self.peaks = 0, None
+        optimizer.step = self._step
+
+    def _step(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls != self.target:
+            return self.step(*args, **kwargs)
+        before = self.peak()
+        self.remove()
+        try:
+            return self.step(*args, **kwargs)
+        finally:
+            self.peaks = (before, self.peak())
+
+    def result(self) -> dict:
+        if self.peaks is None:
+            return {}
+        return dict(peak_before_optimizer_mib=self.peaks[0] / MIB, peak_after_optimizer_mib=self.peaks[1] / MIB,
+                    peaks_step=self.target)
+
+    def remove(self) -> None:
+        if self.optimizer.step == self._step:
+            if self.own:
+                self.optimizer.step = self.step
+            else:
+                del self.optimizer.step
 
 
 def graph_pool_mib(segments: list, moe_layers: int) -> dict:

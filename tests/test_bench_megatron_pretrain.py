@@ -188,6 +188,10 @@ def test_parse_log_reads_megatrons_lines_and_the_entrys_facts():
     assert (row["activation_mib_per_moe_layer"], row["step_activation_peak_mib"], row["max_micro_batch"]) == (
         812.5, 9100.0, 11)
     assert row["max_micro_batch_tries"][2] == [16, False] and row["alloc_retries"] == 0
+    # the activation probe reset the peak counter: the peak it kept before counts when it is higher
+    kept = 'bench: {"peak_before_probe_mib": %s, "peak_before_optimizer_mib": 13000.0}\n'
+    assert bench.parse_log(LOG + kept % 15000.25, 1, 1)["max_allocated_mib"] == 15000.25
+    assert bench.parse_log(LOG + kept % 12000.0, 1, 1)["max_allocated_mib"] == 14100.5
     with pytest.raises(ValueError, match="no 'iteration"):
         bench.parse_log("Traceback ...", 1, 1)
 

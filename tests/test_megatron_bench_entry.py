@@ -22,6 +22,7 @@ def test_bench_flags_come_off_the_command_line():
     assert bench.bench_grouped_mm and bench.bench_probe_memory and not bench.bench_sdpa_attention
     assert bench.bench_max_micro_batch_cap == 64
     assert entry.parse_bench_args(["--bf16"])[0].bench_max_micro_batch_cap == 0  # no search by default
+    assert not bench.bench_no_fp8_weight_cache
     with pytest.raises(ValueError, match="exclude each other"):
         entry.parse_bench_args(["--bench-grouped-mm", "--moe-fp8-flow"])
     with pytest.raises(ValueError, match="must be >= 0"):
@@ -68,6 +69,9 @@ def test_layer_spec(grouped, fp8_flow, world_of_one):
         experts = mlp.keywords["submodules"].experts if hasattr(mlp, "keywords") else mlp.submodules.experts
         layer_class = mlp.func if hasattr(mlp, "func") else mlp.module
         assert (experts is GroupedMMExperts) == grouped and (layer_class is FP8FlowMoELayer) == fp8_flow
+    assert not config.disable_parameter_transpose_cache
+    entry.layer_spec(entry.parse_bench_args(["--bench-no-fp8-weight-cache"])[0])(spec, config)
+    assert config.disable_parameter_transpose_cache  # the config the model's layers share
 
 
 class Float16OptimizerWithFloat16Params:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from megatron_memory_probes import MIB, ActivationProbe, fits, largest_that_trains  # noqa: E402
+from megatron_memory_probes import MIB, ActivationProbe, StepPeaks, fits, largest_that_trains  # noqa: E402
 
 
 class Memory:
@@ -77,6 +77,8 @@ def test_activation_probe_measures_the_target_micro_batch():
     assert result["activation_mib_moe_layers"] == [30.0, 50.0]  # kept bytes, output excluded
     assert result["activation_mib_per_moe_layer"] == 40.0 and result["probed_micro_batch"] == 2
     assert result["step_activation_peak_mib"] == pytest.approx(80 + 7 + 256 / MIB)
+    # the run's peak until the probe reset the counter: the previous micro-batch's, on the held 1000 MiB
+    assert result["peak_before_probe_mib"] == pytest.approx(1000 + 80 + 6 + 256 / MIB)
 
 
 def test_a_recomputed_forward_in_the_target_micro_batch_is_not_counted_again():
@@ -151,3 +153,37 @@ def test_graph_pools_are_the_segments_outside_the_default_pool():
     assert graph_pool_mib(segments[:1], 2)["graph_pool_allocated_mib"] == 0  # no graphs: nothing private
     with pytest.raises(ValueError, match="at least one MoE layer, got 0"):
         graph_pool_mib(segments, 0)
+
+
+class Optimizer:
+    """A fake optimizer whose ``step`` allocates its states once (``states_mib``) on the fake memory."""
+
+    def __init__(self, memory, states_mib):
+        self.memory, self.states_mib, self.steps = memory, states_mib, 0
+
+    def step(self):
+        if not self.steps:
+            self.memory.alloc(self.states_mib * MIB)
+        self.steps += 1
+        return "stepped"
+
+
+@pytest.mark.parametrize("states_mib", [10, 500])
+def test_step_peaks_say_where_the_second_iteration_peaks(states_mib):
+    memory = Memory()
+    memory.alloc(1000 * MIB)  # parameters, main grads
+    optimizer = Optimizer(memory, states_mib)
+    peaks = StepPeaks(optimizer, peak=lambda: memory.high)
+    assert optimizer.step() == "stepped" and peaks.result() == {}  # the first step makes the states
+    memory.reset()  # as the activation probe does in the second iteration
+    memory.alloc(300 * MIB)  # the second iteration's micro-batches: a transient peak beside the states
+    memory.now -= 300 * MIB
+    assert optimizer.step() == "stepped" and "step" not in vars(optimizer)  # taken off after the second step
+    memory.alloc(900 * MIB)  # later peaks are not that iteration's
+    optimizer.step()
+    assert peaks.result() == dict(peak_before_optimizer_mib=1300 + states_mib, peak_after_optimizer_mib=1300
+                                  + states_mib, peaks_step=2)
+    StepPeaks(optimizer).remove()
+    assert "step" not in vars(optimizer) and optimizer.steps == 3
+    with pytest.raises(ValueError, match="from 1"):
+        StepPeaks(optimizer, step=0)
