@@ -156,7 +156,8 @@ class FP8FlowMoELayer(MoELayer):
     absent): the block's FP8 weights are quantized then and reused by the step's other
     micro-batches. A training loop of one's own must call ``model.set_is_first_microbatch()``
     before each step, as for Megatron's TE layers. ``disable_parameter_transpose_cache``: the
-    weights are quantized on every micro-batch.
+    weights are quantized on every micro-batch (with 'moe_expert', and again in backward: no layer keeps
+    FP8 weights from its forward to its backward, ``GroupedLinear.requantize_in_backward``).
 
     ``moe_fp8_flow_cuda_graph``: ``self.cuda_graph`` is a ``GraphedFP8FlowMoE`` over the block (built with
     ``device_splits``), which training forwards go through: the block's forward and backward replayed from

@@ -290,6 +290,41 @@ def test_fp8_weights_one_copy_is_kept_and_cached(monkeypatch, flag, transpose):
     assert torch.equal(y, y0) and torch.equal(dx, dx0) and all(torch.equal(a, b) for a, b in zip(dw, dw0))
 
 
+@pytest.mark.parametrize("single", [False, True], ids=["per-expert", "single"])
+def test_requantize_in_backward_keeps_no_fp8_weight(monkeypatch, single):
+    """``requantize_in_backward`` without a cache: the forward quantizes W alone and keeps no FP8 weight, backward
+    quantizes W and W^T again for its dgrad; outputs and gradients bitwise those of the module that keeps W^T. With
+    a cache (True, then False) it changes nothing: the cache is what backward reads."""
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
+
+    splits = [128, 0, 256]
+    gl, x = setup(splits, single_grouped_weight=single)
+    calls = []
+    real = grouped_linear.quantize_grouped_weight
+    monkeypatch.setattr(grouped_linear, "quantize_grouped_weight",
+                        lambda ws, *a, **kw: calls.append(kw["transpose"]) or real(ws, *a, **kw))
+
+    def run(flag):
+        calls.clear()
+        xi = x.clone().requires_grad_()
+        y = gl(xi, splits, is_first_microbatch=flag)
+        kept, in_forward = y.grad_fn.weight_bwd, list(calls)
+        y.float().square().sum().backward()
+        grads = [w.grad.clone() for w in gl.weight_params]
+        gl.zero_grad(set_to_none=True)
+        return (y, xi.grad, *grads), kept, in_forward, calls[len(in_forward):]
+
+    want, kept, *_ = run(None)
+    assert kept is not None  # W^T
+    gl.requantize_in_backward = True
+    got, kept, in_forward, in_backward = run(None)
+    assert kept is None and in_forward == [False] and in_backward == [True]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for flag in (True, False):
+        got, kept, *_ = run(flag)
+        assert kept is not None and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_prefetched_fp8_weights_are_taken_once_by_the_matching_forward():
     """``prefetch_fp8_weights``: the next forward with the same flag uses those weights (quantized before the
     weights changed here) and nothing later does; a forward with another flag or after
@@ -532,6 +567,8 @@ def _with_main_grads(gl, shared=False, dtype=torch.float32):
          lambda gl: gl(torch.randn(4, 128), [2, 2]), ValueError, "main_grad.*; weight has none"),
         (lambda: GroupedLinear(2, 128, 128, single_grouped_weight="yes"), None, TypeError,
          "single_grouped_weight must be a bool"),
+        (lambda: GroupedLinear(2, 128, 128, requantize_in_backward=1), None, TypeError,
+         "requantize_in_backward must be a bool, got 1"),
         (None, lambda gl: gl(torch.randn(4, 128, device="meta"), [2, 2]), ValueError, "inp is on meta, the weights"),
         (None, lambda gl: gl(quantize_blockwise(torch.randn(128, 128), block="128x128"), [64, 64]), ValueError,
          "rowwise 1x128 with power-of-two scales"),
@@ -555,7 +592,7 @@ def _with_main_grads(gl, shared=False, dtype=torch.float32):
     ],
     ids=["features", "num-gemms", "params-dtype", "in-features", "recompute-in-features", "sum", "negative", "dtype",
          "groups", "groups-4", "recipe-str", "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad",
-         "single-fuse-without-main-grad", "single-not-bool", "device", "weight-role-input", "fp32-scales-input",
+         "single-fuse-without-main-grad", "single-not-bool", "requantize-not-bool", "device", "weight-role-input", "fp32-scales-input",
          "bias-str", "cache-flag-str", "transpose-str", "shared-main-grad", "shared-bf16-main-grad", "meta-module"],
 )
 def test_bad_input_is_rejected_clearly(make, call, exc, match):

@@ -172,32 +172,45 @@ def test_single_grouped_weight_block_is_bitwise_the_per_expert_block(recompute):
 def test_weight_work_per_step_follows_is_first_microbatch_and_recompute(monkeypatch, recompute):
     """TE's ``is_first_microbatch``: True quantizes fc1's and fc2's weights once, False quantizes nothing, None
     quantizes every call. Without recompute each quantization also writes W^T, which backward takes as is (a
-    reused cache transposes W^T into W in the forward). Under ``moe_expert`` backward takes what the first pass
-    kept: fc1 with a cache W alone, which the rerun reads (backward transposes it); with None W and W^T, and
-    the rerun quantizes fc1's W alone. fc2's weights are not rerun."""
+    reused cache transposes W^T into W in the forward). Under ``moe_expert`` with a cache fc1 keeps W alone,
+    which the rerun reads (backward transposes it); with None no FP8 weight outlives the forward: fc1 and fc2
+    quantize W alone, the rerun fc1's W again, and each backward W and W^T for its dgrad
+    (``requantize_in_backward``). fc2's weights are not rerun."""
+    import gc
+    import weakref
+
     import transformer_engine_moe.module.grouped_linear as grouped_linear
 
     fp8, _ = pair(recompute=recompute)
-    calls = []
+    calls, made = [], []
     real_q, real_t = grouped_linear.quantize_grouped_weight, grouped_linear.transpose_grouped_weight
-    monkeypatch.setattr(grouped_linear, "quantize_grouped_weight",
-                        lambda ws, *a, **kw: calls.append("W+W^T" if kw["transpose"] else "W") or real_q(ws, *a, **kw))
+
+    def quantize(ws, *a, **kw):
+        calls.append("W+W^T" if kw["transpose"] else "W")
+        out = real_q(ws, *a, **kw)
+        made.extend(weakref.ref(t) for t in out if t is not None)
+        return out
+
+    monkeypatch.setattr(grouped_linear, "quantize_grouped_weight", quantize)
     monkeypatch.setattr(grouped_linear, "transpose_grouped_weight", lambda *a, **kw: calls.append("T") or real_t(*a, **kw))
     x, ids, probs = batch(3)
 
     def fwd_bwd(**kw):
-        calls.clear()
-        fp8.forward_topk(x.clone().requires_grad_(), ids, probs, **kw).float().sum().backward()
-        return sorted(calls)
+        calls.clear(), made.clear()
+        out = fp8.forward_topk(x.clone().requires_grad_(), ids, probs, **kw)
+        gc.collect()
+        alive = sum(r() is not None for r in made)
+        out.float().sum().backward()
+        return sorted(calls), alive
 
     if recompute is None:
-        assert fwd_bwd(is_first_microbatch=True) == ["W+W^T"] * 2
-        assert fwd_bwd(is_first_microbatch=False) == ["T"] * 2
-        assert fwd_bwd() == ["W+W^T"] * 2
-    else:  # fc1 as said; fc2, which the rerun does not run, as without recompute
-        assert fwd_bwd(is_first_microbatch=True) == ["T", "W", "W+W^T"]
-        assert fwd_bwd(is_first_microbatch=False) == ["T"] * 2
-        assert fwd_bwd() == ["W"] + ["W+W^T"] * 2  # (sorted: the first pass is W+W^T)
+        assert fwd_bwd(is_first_microbatch=True) == (["W+W^T"] * 2, 2)  # the cache: fc1's and fc2's W^T
+        assert fwd_bwd(is_first_microbatch=False) == (["T"] * 2, 0)
+        assert fwd_bwd() == (["W+W^T"] * 2, 2)  # W^T kept for backward
+    else:
+        assert fwd_bwd(is_first_microbatch=True) == (["T", "W", "W+W^T"], 2)  # fc1's W, fc2's W^T cached
+        assert fwd_bwd(is_first_microbatch=False) == (["T"] * 2, 0)
+        assert fwd_bwd() == (["W"] * 3 + ["W+W^T"] * 2, 0)
 
 
 @pytest.mark.parametrize("flag", [True, None])

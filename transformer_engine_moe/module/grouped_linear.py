@@ -129,7 +129,7 @@ def _placeholder_wgrad(weight: torch.Tensor) -> torch.Tensor:
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, m_splits, module, weight_fp8, weight_t, bias, *weights):
+    def forward(ctx, inp, m_splits, module, weight_fp8, weight_t, requantize, bias, *weights):
         # no autograd Function inside this one (torch.compile could not trace it): quantize, transpose as raw ops
         # weight_fp8 None: a recompute's rerun (GroupedLinear.recompute_saved_input): no GEMM, an empty output
         x = inp if isinstance(inp, Float8BlockwiseQTensor) else quantize_in_function(
@@ -140,13 +140,15 @@ class _GroupedLinearFunction(torch.autograd.Function):
             out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
             if bias is not None:
                 out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
-        ctx.wgrad = any(ctx.needs_input_grad[6:]) or module.fuse_wgrad_accumulation
+        ctx.wgrad = any(ctx.needs_input_grad[7:]) or module.fuse_wgrad_accumulation
         ctx.impl = implementation("auto", x, "GroupedLinear")  # the scaling-aware transposes of x and dy
         if ctx.wgrad:  # only wgrad reads the input: its rowwise FP8 copy, transposed in backward (same bytes)
             ctx.save_for_backward(x.rowwise_data, x.rowwise_scale_inv)
             ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.force_pow_2_scales)
-        # not saved_tensors (a cached copy is reused, never re-saved): W^T, or W where no W^T was made
-        ctx.weight_bwd = weight_fp8 if weight_t is None else weight_t
+        # not saved_tensors (a cached copy is reused, never re-saved): W^T, or W where no W^T was made; nothing
+        # where backward quantizes the weights again (requantize_in_backward without a cache)
+        ctx.requantize = requantize
+        ctx.weight_bwd = None if ctx.requantize else weight_fp8 if weight_t is None else weight_t
         ctx.transpose_in_backward = weight_t is None
         ctx.m_splits, ctx.module, ctx.weights = m_splits, module, weights
         ctx.has_bias = bias is not None
@@ -159,15 +161,18 @@ class _GroupedLinearFunction(torch.autograd.Function):
         # which is then alive next to grad_out alone, not also next to dy, dgrad and dy^T (peak memory)
         saved = ctx.saved_tensors
         weight, ctx.weight_bwd = ctx.weight_bwd, None
-        if weight is None:
+        if weight is None and not ctx.requantize:
             raise RuntimeError("GroupedLinear's backward ran twice through one graph: it drops its FP8 weights "
                                "after the dgrad GEMM (as TransformerEngine frees its FP8 tensors in backward), so "
                                "backward with retain_graph=True a second time is not supported")
         dy = _quantized_grad(grad_out, module.quantizers[Role.GRAD].args)
         dgrad = None
         if ctx.needs_input_grad[0]:
-            weight_t = transpose_grouped_weight(weight, backend=module.weight_backend) \
-                if ctx.transpose_in_backward else weight
+            if ctx.requantize:  # the weights as the forward quantized them (they do not change in between)
+                weight_t = module.quantize_weights(transpose=True)[1]
+            else:
+                weight_t = transpose_grouped_weight(weight, backend=module.weight_backend) \
+                    if ctx.transpose_in_backward else weight
             dgrad = grouped_gemm(dy, weight_t, m_splits, out_dtype=grad_out.dtype, backend=module.backend)
             del weight_t
         del weight  # the wgrad output below need not coexist with the FP8 weights (peak memory)
@@ -207,7 +212,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dbias = torch.zeros((module.num_gemms + 1, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
             g = grad_out.dequantize() if isinstance(grad_out, Float8BlockwiseQTensor) else grad_out.float()
             dbias = dbias.index_add_(0, rows, g)[:-1].to(module.bias_dtype)  # row G: weightless
-        return (dgrad, None, None, None, None, dbias, *dweights)
+        return (dgrad, None, None, None, None, None, dbias, *dweights)
 
 
 class GroupedLinear(nn.Module):
@@ -227,12 +232,19 @@ class GroupedLinear(nn.Module):
         backend: ``"auto"``, ``"triton"``, ``"cublas"`` or ``"reference"`` (``ops.grouped_gemm``).
         single_grouped_weight: one parameter ``weight [G, out_features, in_features]`` instead of
             ``weight0..`` (TE's name; biases stay per expert). Same arithmetic, bit for bit.
+        requantize_in_backward: without an FP8 weight cache (``is_first_microbatch=None``), the forward
+            quantizes W alone and keeps no FP8 weight for backward, which quantizes the weights again for its
+            dgrad: one weight quantization more per call, for one byte per weight parameter less between
+            forward and backward (under activation recompute, where little else is kept, the difference
+            between one layer's FP8 weights alive at a time and every layer's). The weights must not change
+            between a forward and its backward. Same arithmetic, bit for bit.
     """
 
     def __init__(self, num_gemms: int, in_features: int, out_features: int, bias: bool = False,
                  params_dtype: torch.dtype = torch.bfloat16, device: Union[str, torch.device, None] = None,
                  recipe: Optional[FP8FlowRecipe] = None, fuse_wgrad_accumulation: bool = False,
-                 init_method=None, backend: str = "auto", single_grouped_weight: bool = False):
+                 init_method=None, backend: str = "auto", single_grouped_weight: bool = False,
+                 requantize_in_backward: bool = False):
         super().__init__()
         for name, v in (("num_gemms", num_gemms), ("in_features", in_features), ("out_features", out_features)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
@@ -251,7 +263,8 @@ class GroupedLinear(nn.Module):
         if backend not in GEMM_BACKENDS:
             raise ValueError(f"backend must be one of {GEMM_BACKENDS}, got {backend!r}")
         for name, v in (("bias", bias), ("fuse_wgrad_accumulation", fuse_wgrad_accumulation),
-                        ("single_grouped_weight", single_grouped_weight)):
+                        ("single_grouped_weight", single_grouped_weight),
+                        ("requantize_in_backward", requantize_in_backward)):
             if not isinstance(v, bool):  # bias="no" once made biases
                 raise TypeError(f"{name} must be a bool, got {v!r}")
         check_init_method(init_method)
@@ -262,6 +275,7 @@ class GroupedLinear(nn.Module):
         self.backend = backend
         self.bias_dtype = params_dtype
         self.single_grouped_weight = single_grouped_weight
+        self.requantize_in_backward = requantize_in_backward
         init = init_method or (lambda t: nn.init.kaiming_uniform_(t, a=5 ** 0.5))
         if single_grouped_weight:
             self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, dtype=params_dtype,
@@ -323,14 +337,20 @@ class GroupedLinear(nn.Module):
             w, w_t = self._cache
             return (transpose_grouped_weight(w_t, backend=self.weight_backend) if w is None else w), w_t
         self._cache = None  # not alive next to its replacement
-        q = self.quantizers[Role.WEIGHT]
         transpose = transpose and (is_first_microbatch is not None or torch.is_grad_enabled())
-        with torch.no_grad():
-            w, w_t = quantize_grouped_weight(self.weights, q.dtype, q.force_pow_2_scales, q.amax_epsilon,
-                                             transpose=transpose, backend=self.weight_backend)
+        w, w_t = self.quantize_weights(transpose)
         if is_first_microbatch is not None:
             self._cache = (None, w_t) if transpose else (w, None)
         return w, w_t
+
+    def quantize_weights(self, transpose: bool = True
+                         ) -> tuple[Float8BlockwiseQTensor, Optional[Float8BlockwiseQTensor]]:
+        """``(W, W^T or None)``: the current weights quantized 128x128 by the weight quantizer, nothing cached
+        (``ops.quantize_grouped_weight``, one launch for the G weights)."""
+        q = self.quantizers[Role.WEIGHT]
+        with torch.no_grad():
+            return quantize_grouped_weight(self.weights, q.dtype, q.force_pow_2_scales, q.amax_epsilon,
+                                           transpose=transpose, backend=self.weight_backend)
 
     def address_tables(self) -> list[torch.Tensor]:
         """The device tables of addresses this module's kernels read (``layout.address_table``): its weights'
@@ -384,11 +404,12 @@ class GroupedLinear(nn.Module):
                 _check_main_grad(name, w)
             if len(named) > 1 and not torch.compiler.is_compiling():  # addresses: host-side, not traced
                 self._check_main_grads_disjoint(named)
+        requantize = self.requantize_in_backward and is_first_microbatch is None
         prefetched, self._prefetched = self._prefetched, None
         w, w_t = prefetched[2] if prefetched and prefetched[0] is is_first_microbatch else \
-            self.fp8_weights(is_first_microbatch)
+            self.fp8_weights(is_first_microbatch, transpose=not requantize)
         del prefetched
-        return self._function(inp, m_splits, w, w_t)
+        return self._function(inp, m_splits, w, None if requantize else w_t, requantize)
 
     def _check_main_grads_disjoint(self, named) -> None:
         """No two weights' ``main_grad`` share memory (one buffer for two experts once had both gradients written,
@@ -414,12 +435,13 @@ class GroupedLinear(nn.Module):
         self._check_input(inp)
         self._function(inp, m_splits, None, None)
 
-    def _function(self, inp, m_splits, w, w_t):
+    def _function(self, inp, m_splits, w, w_t, requantize: bool = False):
         """The autograd Function over ``inp``, ``m_splits`` (a tuple as a list), FP8 ``w``/``w_t`` (None: a
-        rerun without GEMM), the stacked biases and the weight parameters."""
+        rerun without GEMM; ``requantize``: backward quantizes the weights again, nothing kept), the stacked
+        biases and the weight parameters."""
         bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
         return _GroupedLinearFunction.apply(inp, list(m_splits) if isinstance(m_splits, tuple) else m_splits, self,
-                                            w, w_t, bias, *self.weight_params)
+                                            w, w_t, requantize, bias, *self.weight_params)
 
     def _check_input(self, inp) -> None:
         if not isinstance(inp, torch.Tensor):

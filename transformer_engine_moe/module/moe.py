@@ -19,7 +19,9 @@ compare it with are subclasses overriding ``quantize`` and ``experts`` (``benchm
 routing map unpermute reads for backward, and reruns permute -> fc1 -> SwiGLU there (plus fc2's input
 transpose; no fc2 GEMM, ``routed_experts``); nothing is re-dispatched. A forward called with
 ``is_first_microbatch=True`` caches its FP8 weights and the rerun reuses fc1's; with None (no cache)
-the rerun quantizes fc1's weights again.
+no FP8 weight is kept from the forward to the backward (``GroupedLinear.requantize_in_backward``): the rerun
+quantizes fc1's W again, and fc1's and fc2's backward quantize for their dgrad, so one layer's FP8 weights
+are alive at a time instead of every layer's, for two more weight quantizations per layer and micro-batch.
 
 Host syncs: by default the dispatcher hands ``experts`` host counts per expert (one device-to-host
 copy per step): buffers are sized exactly and every GEMM backend may run. The weights' quantization
@@ -119,8 +121,10 @@ class FP8FlowMoE(nn.Module):
         self.dispatcher = get_dispatcher(name, ep_group, num_experts=num_experts,
                                          **({"host_counts": not device_splits, "align_size": align_size}
                                             if name == "local" else {"recipe": self.recipe}))
+        # moe_expert without a cache: no layer keeps FP8 weights from its forward to its backward
         common = dict(params_dtype=params_dtype, device=device, recipe=self.recipe, backend=gemm_backend,
-                      fuse_wgrad_accumulation=fuse_wgrad_accumulation, single_grouped_weight=single_grouped_weight)
+                      fuse_wgrad_accumulation=fuse_wgrad_accumulation, single_grouped_weight=single_grouped_weight,
+                      requantize_in_backward=recompute == "moe_expert")
         self.linear_fc1 = GroupedLinear(self.num_local_experts, hidden_size, 2 * ffn_hidden_size,
                                         init_method=init_method, **common)
         self.linear_fc2 = GroupedLinear(self.num_local_experts, ffn_hidden_size, hidden_size,
@@ -140,12 +144,15 @@ class FP8FlowMoE(nn.Module):
         """Quantize fc1's and fc2's weights for the coming ``routed_experts`` call with ``is_first_microbatch``
         (its weight work, done ahead: ``forward_topk`` queues it while the host waits for the dispatch's counts;
         ``GroupedLinear.prefetch_fp8_weights``; a second call before that forward does nothing). ``transpose``
-        None: W and W^T, but fc1 writes W alone for a cache under ``moe_expert`` (the rerun reads fc1's cached
-        W and backward transposes it: one quantization and one transpose per step, where caching W^T would
-        need a transpose in the rerun too; the rerun never reads fc2's weights)."""
-        fc1_transpose = (self.recompute is None or is_first_microbatch is None) if transpose is None else transpose
+        None: W and W^T, but under ``moe_expert`` fc1 writes W alone (a cache of W: the rerun reads it and
+        backward transposes it, one quantization and one transpose per step, where caching W^T would need a
+        transpose in the rerun too), and without a cache fc2 too (backward quantizes again:
+        ``requantize_in_backward``)."""
+        lean = self.recompute == "moe_expert"
+        fc1_transpose = not lean if transpose is None else transpose
+        fc2_transpose = not (lean and is_first_microbatch is None) if transpose is None else transpose
         self.linear_fc1.prefetch_fp8_weights(is_first_microbatch, fc1_transpose)
-        self.linear_fc2.prefetch_fp8_weights(is_first_microbatch, True if transpose is None else transpose)
+        self.linear_fc2.prefetch_fp8_weights(is_first_microbatch, fc2_transpose)
 
     def drop_prefetched_fp8_weights(self) -> None:
         """Discard prefetched FP8 weights no forward took (``GroupedLinear.drop_prefetched_fp8_weights``)."""
@@ -205,11 +212,11 @@ class FP8FlowMoE(nn.Module):
         int32 and ``pad_offsets``, E local experts). The rerun in backward regenerates fc1's and SwiGLU's
         saved tensors and fc2's FP8 input, and ends there (checkpoint's early stop): no fc2 GEMM and
         no fc2 weights. fc1 reads the FP8 weights the forward cached (``is_first_microbatch`` True or False)
-        or quantizes W alone again (None: backward takes the W^T the first pass kept; the rerun's own
-        autograd state is dropped). The recompute's region does not take ``routing``: it keeps its inputs until
-        backward, and the ``[R, k]`` ids are smaller than the ``[R, E]`` map and probs, so it converts the ids
-        itself (the dispatch's map and layout then go unused: a few small launches before the host wait, where the
-        GPU is still busy with earlier work)."""
+        or quantizes W alone again (None: the first pass kept no FP8 weight, and fc1's and fc2's backward
+        quantize theirs again; the rerun's own autograd state is dropped). The recompute's region does not take
+        ``routing``: it keeps its inputs until backward, and the ``[R, k]`` ids are smaller than the ``[R, E]`` map
+        and probs, so it converts the ids itself (the dispatch's map and layout then go unused: a few small
+        launches before the host wait, where the GPU is still busy with earlier work)."""
         try:
             self.prefetch_fp8_weights(is_first_microbatch)
             if self.recompute != "moe_expert":
