@@ -82,6 +82,11 @@ def _check_probs(probs, shape, device, name="probs") -> Optional[torch.Tensor]:
     return probs.contiguous()
 
 
+def _check_align_size(align_size, op: str) -> None:
+    if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size < 1:
+        raise ValueError(f"{op}: align_size must be a positive int (1: no padding), got {align_size!r}")
+
+
 def _check_count(value, name) -> None:
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
         raise ValueError(f"{name} must be a non-negative int or None, got {value!r}")
@@ -284,8 +289,7 @@ def permute_layout(routing_map: torch.Tensor, align_size: int, *, backend: str =
                         f"{getattr(routing_map, 'dtype', type(routing_map).__name__)}")
     if routing_map.dim() != 2 or routing_map.shape[1] == 0:
         raise ValueError(f"routing_map must be [num_tokens, num_experts >= 1], got shape {list(routing_map.shape)}")
-    if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size < 1:
-        raise ValueError(f"align_size must be a positive int (1: no padding), got {align_size!r}")
+    _check_align_size(align_size, "permute_layout")
     impl = implementation(backend, routing_map, "permute_layout")
     layout = PermuteLayout(routing_map, align_size, *impl.routing_layout(routing_map, align_size))
     if not torch.compiler.is_compiling():
@@ -439,9 +443,7 @@ def moe_permute_and_pad_with_probs(
     if tokens_per_expert is None:
         raise ValueError("moe_permute_and_pad_with_probs: tokens_per_expert must be given (routing_map.sum(0) as "
                          "a device tensor, or the dispatcher's host list), as in TransformerEngine")
-    if not isinstance(align_size, int) or isinstance(align_size, bool) or align_size < 1:
-        raise ValueError(f"moe_permute_and_pad_with_probs: align_size must be a positive int (1: no padding), "
-                         f"got {align_size!r}")
+    _check_align_size(align_size, "moe_permute_and_pad_with_probs")
     return _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_expert, backend,
                     "moe_permute_and_pad_with_probs", layout)
 
