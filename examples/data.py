@@ -2,18 +2,25 @@
 
 The default data of ``examples.pretrain_gpt`` when no data argument is given (``megatron_data``
 handles Megatron's). Tokens are bytes (vocabulary 256, no tokenizer). Files are read in sorted path
-order and joined by a NUL byte (absent from source text) up to ``max_bytes``; sample ``i`` of the
-stream is the window starting at ``i * seq_length`` (wrapping), so the stream is the same on every
-machine with the same Python and does not depend on the number of ranks.
+order and joined by a NUL byte (absent from source text) up to ``max_bytes`` and cut into windows of
+``seq_length`` bytes; sample ``i`` of the stream is window ``order[i % windows]``, ``order`` a permutation
+drawn once from the fixed ``SHUFFLE_SEED`` (as Megatron's ``GPTDataset`` shuffles its samples, but the same
+for every ``--seed``: runs that differ in their seed see the same batches). Consecutive samples therefore
+come from all over the corpus, and the splits (consecutive ranges of samples) are alike: sorted files in
+order would train on one package after another and evaluate on the next, so the last hundred iterations
+(a run of encoding tables, say) would decide the evaluation. The stream is the same on every machine with
+the same Python and does not depend on the number of ranks.
 """
 
 import pathlib
+import random
 import sysconfig
 
 import torch
 
 VOCAB_SIZE = 256
 TEXT_MAX_BYTES = 8 << 20  # the compact loop's default --text-max-bytes
+SHUFFLE_SEED = 1234  # the window order's (Python's ``random``: the same order on every machine)
 
 
 def stdlib_bytes(max_bytes: int) -> torch.Tensor:
@@ -34,10 +41,11 @@ def stdlib_bytes(max_bytes: int) -> torch.Tensor:
 
 
 class ByteStream:
-    """Deterministic ``[batch, seq_length]`` token / label windows over ``corpus``.
+    """Deterministic ``[batch, seq_length]`` token / label windows over ``corpus``, in a fixed shuffled order.
 
-    ``batch(first, count)`` returns samples ``first .. first+count-1``: tokens ``int64
-    [count, seq_length]`` and labels (the next byte) of the same shape.
+    ``batch(first, count)`` returns samples ``first .. first+count-1`` (sample ``i``: the window starting at
+    byte ``order[i % windows] * seq_length``): tokens ``int64 [count, seq_length]`` and labels (the next byte)
+    of the same shape.
     """
 
     def __init__(self, corpus: torch.Tensor, seq_length: int):
@@ -47,16 +55,19 @@ class ByteStream:
         self.corpus = corpus
         self.seq_length = seq_length
         self.windows = (corpus.numel() - 1) // seq_length
+        order = list(range(self.windows))
+        random.Random(SHUFFLE_SEED).shuffle(order)
+        self.order = torch.tensor(order)
 
     def batch(self, first: int, count: int):
-        starts = (torch.arange(first, first + count) % self.windows) * self.seq_length
+        starts = self.order[torch.arange(first, first + count) % self.windows] * self.seq_length
         index = starts[:, None] + torch.arange(self.seq_length + 1)
         window = self.corpus[index].long()
         return window[:, :-1], window[:, 1:]
 
 
 class StdlibBytesDataset(torch.utils.data.Dataset):
-    """``num_samples`` windows of a ``ByteStream`` from window ``offset``, as Megatron's GPT datasets
+    """``num_samples`` samples of a ``ByteStream`` from sample ``offset``, as Megatron's GPT datasets
     return samples: ``tokens``, ``labels`` int64, ``loss_mask`` float32 (ones), ``position_ids`` int64,
     each ``[seq_length]``."""
 
