@@ -3,8 +3,8 @@
 Three runs of ``bench_megatron_pretrain``'s ``qwen3_moe_like`` model (Qwen3-30B-A3B's layer: hidden 2048, 32
 query heads in 4 KV groups, 128 experts of ffn 768, top-8, sequence 4096) with ``--num-layers`` (default 2),
 one micro-batch of ``--micro-batch-size`` (default 2: 8192 tokens, 512 rows per expert) per iteration, on the
-default data (the Python standard library's bytes, vocabulary 256, read in order: every seed sees the same
-batches), through ``megatron_bench_entry.py`` with the same attention and Megatron path as the throughput runs
+default data (the Python standard library's bytes, vocabulary 256, windows in a fixed shuffled order:
+every seed sees the same batches; ``examples/data.py``), through ``megatron_bench_entry.py`` with the same attention and Megatron path as the throughput runs
 (TransformerEngine's where installed, else the torch SDPA core):
 - ``bf16_grouped_mm``: the BF16 grouped-GEMM stand-in for TE's ``TEGroupedMLP`` (two ``torch._grouped_mm``;
   Megatron's router and dispatcher), seed ``--seed`` (default 1234): the baseline;
@@ -16,9 +16,11 @@ batches), through ``megatron_bench_entry.py`` with the same attention and Megatr
 
 The measure is held-out: Megatron's own evaluation (``--eval-iters``, default ``EVAL_ITERS`` = 32 micro-batches,
 262,144 tokens at micro-batch 2) every ``train_iters // EVAL_POINTS`` iterations and after training, on the
-data's validation and test splits: the byte windows right after the training ones (``examples/megatron_data.py``),
-never trained on while the stream lasts (about 7,700 windows of 4096 bytes on Python 3.11; past its end the
-windows wrap onto the training ones). Megatron's evaluations read their split in order, each the next
+data's validation and test splits: the samples right after the training ones (``examples/megatron_data.py``),
+drawn from the whole corpus like them and never trained on while the stream lasts (about 7,700 windows of 4096
+bytes on Python 3.11; past its end the samples wrap onto the training ones). Rows measured on other data (the
+windows in file order, before 2026-11-28) are dropped: there the last iterations trained on one stretch of
+files and the evaluation read the next, so two BF16 seeds landed 0.9-3.3% apart. Megatron's evaluations read their split in order, each the next
 ``eval_iters`` micro-batches, so the k-th evaluation reads the same tokens in every run. ``final_eval_loss``: the
 mean of the evaluations of the final model (the loop's at the last iteration, the validation and test ones after
 training: three disjoint slices, 786,432 tokens by default); ``eval_vs_bf16``: relative to ``bf16_grouped_mm``'s;
@@ -30,9 +32,10 @@ The runs go ``--per-gpu`` at a time on each visible GPU (default: as many as the
 other only. Each run is bounded by ``--run-timeout``. Writes
 ``benchmarks/results/bench_megatron_loss_qwen3_moe_like.json`` / ``.md`` / ``.png`` (training-loss curves with
 the evaluations, and each run's evaluation loss against the baseline's, per seed); rows of other seeds measured
-with evaluations are kept, so repeats with other seeds build one table.
+with evaluations on the same data are kept, so repeats with other seeds build one table; the notes give each
+run's mean ``eval_vs_bf16`` over the base seeds with its range.
 
-    python benchmarks/bench_megatron_loss.py [--train-iters 500] [--seed 1234] [--eval-iters 32]
+    python benchmarks/bench_megatron_loss.py [--train-iters 500] [--seed 1234 [1236 ...]] [--eval-iters 32]
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ RUNS = {  # name -> (seed offset, bench_megatron_pretrain variant)
     "bf16_grouped_mm_seed_control": (1, "bf16_grouped_mm"),
 }
 BASELINE = "bf16_grouped_mm"
+DATA = "stdlib_shuffled"  # the default data as examples/data.py reads it (rows of other data are dropped)
 TARGET = 0.0025  # final evaluation loss within 0.25% of the baseline's
 EVAL_ITERS = 32  # micro-batches per evaluation
 EVAL_POINTS = 5  # evaluations in the loop (the last at the final iteration where 5 divides it); two more after it
@@ -146,7 +150,8 @@ def compare(rows: dict) -> None:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--train-iters", type=int, default=500)
-    parser.add_argument("--seed", type=int, default=1234, help="the baseline's seed; the control takes the next")
+    parser.add_argument("--seed", type=int, nargs="+", default=[1234],
+                        help="base seeds (the baseline's; the control takes the next), their runs sharing the GPUs")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences of 4096 per iteration")
     parser.add_argument("--eval-iters", type=int, default=EVAL_ITERS, help="micro-batches per evaluation")
@@ -158,37 +163,51 @@ def main(argv=None):
                      f"got {args.train_iters}")
     gpus, gpu, te = max(1, torch.cuda.device_count()), pretrain.gpu_facts(), pretrain.transformer_engine_version()
     per_gpu = args.per_gpu or runs_per_gpu(args.num_layers, args.micro_batch_size, gpu["gpu_memory_mib"] * 2**20)
-    cmds = {run: command(run, args.train_iters, args.num_layers, args.micro_batch_size, args.seed, te is not None,
-                         args.eval_iters) for run in RUNS}
+    cmds = {(seed, run): command(run, args.train_iters, args.num_layers, args.micro_batch_size, seed, te is not None,
+                                 args.eval_iters) for seed in args.seed for run in RUNS}
 
     devices = visible_devices(gpus)
 
-    def launch(i: int, run: str):
+    def launch(i: int, key: tuple[int, str]):
         began = time.perf_counter()
-        status, out = pretrain.run(cmds[run], args.run_timeout, {"CUDA_VISIBLE_DEVICES": devices[i % gpus]})
+        status, out = pretrain.run(cmds[key], args.run_timeout, {"CUDA_VISIBLE_DEVICES": devices[i % gpus]})
         return status, out, time.perf_counter() - began
 
     env = dict(utils.environment(gpu), gpus=gpus, runs_per_gpu=per_gpu, transformer_engine=te or "absent")
     stored = utils.RESULTS_DIR / f"bench_megatron_loss_{CONFIG}.json"
     kept = json.loads(stored.read_text())["results"] if stored.exists() else []
-    kept = [r for r in kept if r["base_seed"] != args.seed and "eval_iters" in r]  # rows measured with evaluations
-    rows = {}
+    kept = [r for r in kept if r["base_seed"] not in args.seed and r.get("data") == DATA]  # same data, evaluated
+    rows = {seed: {} for seed in args.seed}
     with concurrent.futures.ThreadPoolExecutor(gpus * per_gpu) as pool:
-        futures = {run: pool.submit(launch, i, run) for i, run in enumerate(RUNS)}
-        for run, future in futures.items():
+        futures = {key: pool.submit(launch, i, key) for i, key in enumerate(cmds)}
+        for (seed, run), future in futures.items():
             status, out, wall = future.result()
-            row = dict(run=run, base_seed=args.seed, seed=args.seed + RUNS[run][0], status=status,
+            row = dict(run=run, base_seed=seed, seed=seed + RUNS[run][0], status=status, data=DATA, device=gpu["device"],
                        iters=args.train_iters, layers=args.num_layers, micro_batch_size=args.micro_batch_size,
                        eval_iters=args.eval_iters, eval_interval=eval_interval(args.train_iters), wall_s=wall,
-                       command=" ".join(cmds[run]))
+                       command=" ".join(cmds[seed, run]))
             row.update(pretrain.outcome(status, out, args.micro_batch_size * megatron_configs.SEQ, 1))
             row.pop("final_loss", None)  # bench_megatron_pretrain's (the last quarter of the logs): train_loss here
             row.update(evaluations(out, args.train_iters),
                        train_loss=train_loss(row.get("curve_iters", []), row.get("curve", []), args.train_iters))
-            rows[run] = row
-            print(run, status, row["final_eval_loss"], flush=True)
-    compare(rows)
-    print(write(kept + list(rows.values()), env).read_text())
+            rows[seed][run] = row
+            print(seed, run, status, row["final_eval_loss"], flush=True)
+    for seed_rows in rows.values():
+        compare(seed_rows)
+    print(write(kept + [r for seed_rows in rows.values() for r in seed_rows.values()], env).read_text())
+
+
+def summary(rows: list[dict]) -> str:
+    """Per run other than the baseline: the mean of its ``eval_vs_bf16`` over the base seeds, with their standard
+    deviation (where two or more) and range."""
+    parts = []
+    for run in RUNS:
+        devs = [r["eval_vs_bf16"] for r in rows if r["run"] == run and r.get("eval_vs_bf16") is not None]
+        if run != BASELINE and devs:
+            sd = f"sd {statistics.stdev(devs):.2%}, " if len(devs) > 1 else ""
+            parts.append(f"{run} {statistics.fmean(devs):+.2%} ({sd}range {min(devs):+.2%} to {max(devs):+.2%}, "
+                         f"{len(devs)} seeds)")
+    return "Mean eval_vs_bf16 over base seeds: " + ("; ".join(parts) or "none measured") + ". "
 
 
 def write(rows: list[dict], env: dict):
@@ -196,19 +215,20 @@ def write(rows: list[dict], env: dict):
     shapes = sorted({f"{r['iters']} iterations, {r['layers']} layers, micro-batch {r['micro_batch_size']}, "
                      f"{r['eval_iters']} micro-batches per evaluation every {r['eval_interval']} iterations"
                      for r in rows})
-    notes = (f"{'; '.join(shapes)}: `{CONFIG}` (bench_megatron_pretrain.py) on the standard library's bytes in order "
-             f"(every seed the same batches), sequence {megatron_configs.SEQ}, one micro-batch per iteration. The "
-             f"runs of one base seed shared the machine's GPUs ({env.get('runs_per_gpu')} at a time per GPU): "
-             "iteration times are shared-GPU times. final_eval_loss: the final model's loss on held-out data "
+    notes = (summary(rows) + f"{'; '.join(shapes)}: `{CONFIG}` (bench_megatron_pretrain.py) on the standard library's "
+             f"bytes in a fixed shuffled window order (every seed the same batches), sequence {megatron_configs.SEQ}, "
+             "one micro-batch per iteration. The runs of a call shared its GPUs, as many at a time as the memory model "
+             "fits (`runs_per_gpu` above: the latest call's): iteration times are shared-GPU times. final_eval_loss: the final model's loss on held-out data "
              "(Megatron's evaluations at the last iteration: the loop's and, after training, the validation and "
-             "test splits': `final_evals` disjoint slices of the windows after the training ones, the same tokens "
+             "test splits': `final_evals` disjoint slices of the samples after the training ones, the same tokens "
              f"in every run); eval_vs_bf16: relative to the `{BASELINE}` run of the same base seed (the BF16 "
              f"grouped stand-in); within_target: |eval_vs_bf16| <= {TARGET:.2%}; the seed control's eval_vs_bf16 "
              "is how far two BF16 runs land apart from initialisation alone. train_loss: mean training loss of the "
              f"last {TRAIN_TAIL} iterations (the data those batches hold weighs on it); train_vs_bf16 likewise. "
              "Commands: the `command` field of each row in the JSON; docs/megatron.md.")
     columns = ["base_seed", "run", "seed", "status", "final_eval_loss", "eval_vs_bf16", "within_target", "final_evals",
-               "train_loss", "train_vs_bf16", "iter_ms", "max_allocated_mib", "wall_s", "attention", "experts", "error"]
+               "train_loss", "train_vs_bf16", "device", "iter_ms", "max_allocated_mib", "wall_s", "attention", "experts",
+               "error"]
     path = utils.write_results(f"bench_megatron_loss_{CONFIG}", "Megatron pretrain loss: BF16 stand-in vs FP8-Flow",
                                env, {}, rows, columns, notes=notes,
                                formats={"final_eval_loss": ".4f", "eval_vs_bf16": "+.2%", "train_loss": ".4f",

@@ -141,9 +141,10 @@ def test_main_compares_the_final_evaluation_against_the_baseline_and_the_target(
     launched = []
 
     def fake_run(cmd, timeout, extra_env):
-        run = next(r for r in bench.RUNS if bench.command(r, 500, 2, 2)[6:] == cmd[6:])
-        launched.append((run, extra_env["CUDA_VISIBLE_DEVICES"]))
-        loss = evals[run]  # the final model: the loop's evaluation and the two after training average to `loss`
+        seed, run = next((s, r) for s in (1234, 1236) for r in bench.RUNS
+                         if bench.command(r, 500, 2, 2, seed=s)[6:] == cmd[6:])
+        launched.append((seed, run, extra_env["CUDA_VISIBLE_DEVICES"]))
+        loss = evals[run] * (1 if seed == 1234 else 1.5)  # the final model: the loop's evaluation and the two after training average to `loss`
         finals = {"iteration 500": loss - 0.01, "iteration 500 on validation set": loss,
                   "iteration 500 on test set": loss + 0.01}
         return "ok", _log(500, lambda i: 1.0 if i <= 400 else 2 * loss, {"iteration 100": 3.0, **finals})
@@ -157,18 +158,23 @@ def test_main_compares_the_final_evaluation_against_the_baseline_and_the_target(
     monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
     old = dict(run="bf16_grouped_mm", base_seed=7, seed=7, iters=500, final_loss=1.0)  # before evaluations: dropped
     other = dict(run="bf16_grouped_mm", base_seed=9, seed=9, status="ok", iters=500, layers=2, micro_batch_size=2,
-                 eval_iters=32, eval_interval=100, final_eval_loss=1.5)  # another seed measured alike: kept
-    (tmp_path / "bench_megatron_loss_qwen3_moe_like.json").write_text(json.dumps({"results": [old, other]}))
-    bench.main([])
-    assert sorted(launched) == sorted((r, "0") for r in bench.RUNS)
+                 eval_iters=32, eval_interval=100, final_eval_loss=1.5, data=bench.DATA)  # another seed, alike: kept
+    in_order = dict(other, base_seed=11, seed=11)  # evaluated on the windows in file order: dropped
+    del in_order["data"]
+    (tmp_path / "bench_megatron_loss_qwen3_moe_like.json").write_text(json.dumps({"results": [old, other, in_order]}))
+    bench.main(["--seed", "1234", "1236"])
+    assert sorted(launched) == sorted((s, r, "0") for s in (1234, 1236) for r in bench.RUNS)
     text = (tmp_path / "bench_megatron_loss_qwen3_moe_like.md").read_text()
     assert "| 1234 | bf16_grouped_mm | 1234 | ok | 2.0000 | +0.00% | True | 3 | 4.0000 | +0.00% |" in text
     assert f"| 1234 | {FLOW} | 1234 | ok | 2.0040 | +0.20% | True | 3 | 4.0080 | +0.20% |" in text
     assert "| 1234 | bf16_grouped_mm_seed_control | 1235 | ok | 2.0100 | +0.50% | False | 3 | 4.0200 | +0.50% |" in text
-    assert "| 9 | bf16_grouped_mm | 9 | ok | 1.5000 |" in text and "| 7 |" not in text
+    assert "| 9 | bf16_grouped_mm | 9 | ok | 1.5000 |" in text and "| 7 |" not in text and "| 11 |" not in text
+    assert "| 1236 | bf16_grouped_mm_seed_control | 1237 | ok | 3.0150 | +0.50% |" in text
+    assert (f"{FLOW} +0.20% (sd 0.00%, range +0.20% to +0.20%, 2 seeds); bf16_grouped_mm_seed_control +0.50% (sd "
+            "0.00%, range +0.50% to +0.50%, 2 seeds)") in text
     assert "runs_per_gpu: 2" in text and (tmp_path / "bench_megatron_loss_qwen3_moe_like.png").exists()
     row = json.loads((tmp_path / "bench_megatron_loss_qwen3_moe_like.json").read_text())["results"][2]
-    assert (row["run"], row["eval_curve_iters"], row["final_evals"], len(row["curve"])) == (FLOW, [100, 500], 3, 500)
+    assert row["data"] == bench.DATA and row["device"] == "H100" and (row["run"], row["eval_curve_iters"], row["final_evals"], len(row["curve"])) == (FLOW, [100, 500], 3, 500)
     assert "final_loss" not in row
 
 
