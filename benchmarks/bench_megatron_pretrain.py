@@ -43,7 +43,9 @@ iterations; the other repeats run without probes. ``--repeats`` (3) runs the var
 gives the median tokens/s with its spread. Each run is one ``torchrun`` bounded by ``--run-timeout``;
 ``--time-budget`` stops starting runs when the next might not finish in it. Results go to
 ``benchmarks/results/bench_megatron_pretrain_{config}_ep{GPUs}.json`` / ``.md`` / ``.png`` after every run
-(``..._te`` where TransformerEngine ran the model's path: a table of its own).
+(``..._te`` where TransformerEngine ran the model's path: a table of its own). A table holds one device and one
+layer count: a call on another GPU (or with other ``--num-layers``) than its stored rows' stops before any run
+unless ``--results-tag TAG`` gives it a table of its own (``..._ep{GPUs}[_te]_{TAG}``).
 
 ``--profile``: after the timed repeats, one more run per variant (no probes) with its last iteration under
 torch.profiler (``megatron_bench_entry.py --bench-profile-iteration``: every micro-batch's forward and backward
@@ -335,7 +337,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="seconds for the whole call: no run starts that might end past it")
     parser.add_argument("--profile", action="store_true",
                         help="after the repeats, one run per variant with its last iteration profiled")
+    parser.add_argument("--results-tag", default=None,
+                        help="a table of its own: ..._ep{GPUs}[_te]_{TAG} (another device or layer count)")
     args = parser.parse_args(argv)
+    if args.results_tag is not None and not re.fullmatch(r"[A-Za-z0-9]+", args.results_tag):
+        parser.error(f"--results-tag must be letters and digits (a file name part), got {args.results_tag!r}")
     for name in ("repeats", "micro_batches", "max_micro_batch_cap"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -360,9 +366,13 @@ def main(argv=None):
                "local (--transformer-impl local) with the torch SDPA core attention",
                warmup_iters=args.warmup_iters, apex_wgrad_fusion=apex_wgrad_fusion(),
                deep_gemm="importable" if _importable("deep_gemm") else "absent")
-    table = f"{args.config}_ep{gpus}" + ("_te" if te else "")  # TE's path: a table of its own
+    table = f"{args.config}_ep{gpus}" + ("_te" if te else "") + (f"_{args.results_tag}" if args.results_tag else "")
     stored = utils.RESULTS_DIR / f"bench_megatron_pretrain_{table}.json"
     kept = json.loads(stored.read_text())["results"] if stored.exists() else []
+    others = {(r.get("device"), r.get("layers")) for r in kept} - {(gpu["device"], layers)}
+    if others:
+        raise SystemExit(f"{stored.name} holds rows of (device, layers) {sorted(others, key=str)}; this call measures "
+                         f"({gpu['device']!r}, {layers}): give --results-tag for a table of its own")
     rows = {(r["config"], r["variant"]): r for r in kept}
     runs, profiles = {variant: [] for variant in args.variants}, {}
     began_call, longest, path, profile_path = time.perf_counter(), 0.0, None, None

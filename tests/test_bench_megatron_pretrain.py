@@ -290,6 +290,24 @@ def test_transformer_engines_path_writes_a_table_of_its_own(tmp_path, monkeypatc
     assert [r["tokens_per_s_per_gpu"] for r in local["results"]] == [50.0]
 
 
+def test_a_table_holds_one_device_and_layer_count(tmp_path, monkeypatch):
+    """Stored rows of another GPU (an H200's 3 layers) stop an H100 call before it runs anything; --results-tag
+    writes the call's rows to a table of their own and leaves the stored one as it was."""
+    stored = tmp_path / "bench_megatron_pretrain_qwen3_moe_like_ep1.json"
+    stored.write_text(json.dumps({"results": [dict(config="qwen3_moe_like", variant="bf16_grouped_mm", layers=3,
+                                                   device="NVIDIA H200", tokens_per_s_per_gpu=50.0)]}))
+    order = _fake_machine(monkeypatch, tmp_path, {"bf16_grouped_mm": [100.0]})
+    with pytest.raises(SystemExit, match=r"holds rows of \(device, layers\) \[\('NVIDIA H200', 3\)\].*--results-tag"):
+        bench.main(["--variants", "bf16_grouped_mm", "--repeats", "1"])
+    assert order == []
+    bench.main(["--variants", "bf16_grouped_mm", "--repeats", "1", "--results-tag", "h100"])
+    tagged = json.loads((tmp_path / "bench_megatron_pretrain_qwen3_moe_like_ep1_h100.json").read_text())
+    assert [(r["device"], r["tokens_per_s_per_gpu"]) for r in tagged["results"]] == [("NVIDIA H100 80GB HBM3", 100.0)]
+    assert json.loads(stored.read_text())["results"][0]["tokens_per_s_per_gpu"] == 50.0
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "bf16_grouped_mm", "--results-tag", "../x"])
+
+
 def test_time_budget_stops_starting_runs(tmp_path, monkeypatch):
     order = _fake_machine(monkeypatch, tmp_path, {"bf16_grouped_mm": [100.0] * 3})
     now, fake_run = [0.0], bench.run
@@ -421,9 +439,9 @@ def test_a_rows_ratio_is_against_the_stand_in_of_its_own_call(tmp_path, monkeypa
     measured, not to the new one; a call that runs no stand-in gives its rows no ratio."""
     (tmp_path / "bench_megatron_pretrain_qwen3_moe_like_ep1.json").write_text(json.dumps({"results": [
         dict(config="qwen3_moe_like", variant="bf16_grouped_mm", call="earlier", tokens_per_s_per_gpu=50.0,
-             vs_bf16_grouped_mm=1.0),
+             vs_bf16_grouped_mm=1.0, device="NVIDIA H100 80GB HBM3", layers=4),
         dict(config="qwen3_moe_like", variant="fp8_flow", call="earlier", tokens_per_s_per_gpu=60.0,
-             vs_bf16_grouped_mm=1.2)]}))
+             vs_bf16_grouped_mm=1.2, device="NVIDIA H100 80GB HBM3", layers=4)]}))
     _fake_machine(monkeypatch, tmp_path, {"bf16_grouped_mm": [100.0], "fp8_flow_single_weight": [130.0]})
     monkeypatch.setattr(bench, "call_stamp", lambda: "second")
     bench.main(["--variants", "bf16_grouped_mm", "fp8_flow_single_weight", "--repeats", "1"])
