@@ -13,7 +13,9 @@ same parameters and routing:
 
 - ``bf16_grouped_mm``: the strongest BF16 block (``baselines.BF16GroupedMMBlock``);
 - ``fp8_flow_single_weight``: FP8-Flow with one ``[E, N, K]`` weight per GEMM;
-- ``fp8_flow``: FP8-Flow with one weight per expert (TE's layout; autograd and hooks per parameter).
+- ``fp8_flow``: FP8-Flow with one weight per expert (TE's layout; autograd and hooks per parameter);
+- ``fp8_flow_single_weight_moe_expert``: single weight with ``recompute="moe_expert"`` (Megatron's
+  ``--recompute-modules moe_expert``): backward reruns permute, fc1 and SwiGLU, so more host work per step.
 
 Per block: ``host_ms`` (median over steps of the time until ``backward()`` returns, the GPU idle at the
 start: what the CPU spends issuing the step), ``wall_ms`` (until the GPU is done), ``gpu_ms`` (kernel time
@@ -51,13 +53,14 @@ CONFIGS = {"deepseek_small": dict(experts=64, hidden=2048, ffn=1024, topk=8, tok
 
 
 def make_blocks(experts: int, hidden: int, ffn: int, topk: int, device) -> dict:
-    """name -> block, the two FP8-Flow layouts and the BF16 block over the same expert weights."""
-    torch.manual_seed(0)
-    single = FP8FlowMoE(experts, hidden, ffn, topk, device=device, single_grouped_weight=True)
-    torch.manual_seed(0)
-    per_expert = FP8FlowMoE(experts, hidden, ffn, topk, device=device)
-    return {"bf16_grouped_mm": BF16GroupedMMBlock.from_block(single), "fp8_flow_single_weight": single,
-            "fp8_flow": per_expert}
+    """name -> block, the two FP8-Flow layouts (single weight also with ``moe_expert``) and the BF16 block over the
+    same expert weights."""
+    blocks = {}
+    for name, kw in (("fp8_flow_single_weight", dict(single_grouped_weight=True)), ("fp8_flow", {}),
+                     ("fp8_flow_single_weight_moe_expert", dict(single_grouped_weight=True, recompute="moe_expert"))):
+        torch.manual_seed(0)
+        blocks[name] = FP8FlowMoE(experts, hidden, ffn, topk, device=device, **kw)
+    return {"bf16_grouped_mm": BF16GroupedMMBlock.from_block(blocks["fp8_flow_single_weight"]), **blocks}
 
 
 def make_inputs(tokens: int, hidden: int, experts: int, topk: int, device):

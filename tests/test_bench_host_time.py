@@ -36,7 +36,10 @@ def test_every_block_steps_with_cached_weights_on_the_cpu():
     gradients, the times are positive and ordered; then cProfile's rows of the same steps."""
     inputs = bench.make_inputs(16, 128, 4, 2, "cpu")
     blocks = bench.make_blocks(4, 128, 128, 2, "cpu")
-    assert list(blocks) == ["bf16_grouped_mm", "fp8_flow_single_weight", "fp8_flow"]
+    assert list(blocks) == ["bf16_grouped_mm", "fp8_flow_single_weight", "fp8_flow",
+                            "fp8_flow_single_weight_moe_expert"]
+    assert (blocks["fp8_flow_single_weight_moe_expert"].recompute, blocks["fp8_flow_single_weight"].recompute) == (
+        "moe_expert", None)
     for name, block in blocks.items():
         step = utils.moe_step(block, *inputs, fp8_weights="cached")
         host, wall = utils.host_and_wall_ms(step, 2, lambda: None)
