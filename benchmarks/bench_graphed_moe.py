@@ -12,7 +12,9 @@ wgrad fusion, as the Megatron runs of this repository, or with ``--fuse-wgrad-ac
 - ``fp8_flow_single_weight``: the eager block as Megatron runs it without the flag (host counts);
 - ``fp8_flow_device_splits_single_weight``: eager with device splits, the path the graphs replay;
 - ``fp8_flow_graph_single_weight``: that block through ``GraphedFP8FlowMoE``;
-- ``fp8_flow_graph``: the same with one weight per expert (autograd and DDP's hook still run per parameter).
+- ``fp8_flow_graph``: the same with one weight per expert (autograd and DDP's hook still run per parameter);
+- ``fp8_flow_single_weight_moe_expert`` / ``fp8_flow_graph_single_weight_moe_expert``: the first and the third with
+  ``recompute="moe_expert"`` (the graphs capture the checkpoint, the backward's rerun included).
 
 Columns as ``bench_host_time.py`` (its timing functions): ``host_ms`` until ``backward()`` returns from an idle
 GPU, ``wall_ms`` until the GPU is done, ``gpu_ms`` kernel time per step (torch profiler), ``launches`` kernel
@@ -32,21 +34,23 @@ from transformer_engine_moe import FP8FlowMoE, GraphedFP8FlowMoE, topk_to_routin
 import utils
 from bench_host_time import CONFIGS, gpu_ms_and_launches, make_inputs
 
-VARIANTS = {  # name -> (device splits, replayed from CUDA graphs, single grouped weight)
-    "fp8_flow_single_weight": (False, False, True),
-    "fp8_flow_device_splits_single_weight": (True, False, True),
-    "fp8_flow_graph_single_weight": (True, True, True),
-    "fp8_flow_graph": (True, True, False),
+VARIANTS = {  # name -> (device splits, replayed from CUDA graphs, single grouped weight, recompute)
+    "fp8_flow_single_weight": (False, False, True, None),
+    "fp8_flow_device_splits_single_weight": (True, False, True, None),
+    "fp8_flow_graph_single_weight": (True, True, True, None),
+    "fp8_flow_graph": (True, True, False, None),
+    "fp8_flow_single_weight_moe_expert": (False, False, True, "moe_expert"),
+    "fp8_flow_graph_single_weight_moe_expert": (True, True, True, "moe_expert"),
 }
 
 
 def make_step(name: str, experts: int, hidden: int, ffn: int, topk: int, tokens: int, fuse: bool, device):
     """``(step, block)``: one micro-batch of variant ``name`` per ``step()`` (the first says
     ``is_first_microbatch=True``, the others False), router output and gradients fixed."""
-    device_splits, graphed, single = VARIANTS[name]
+    device_splits, graphed, single, recompute = VARIANTS[name]
     torch.manual_seed(0)
     block = FP8FlowMoE(experts, hidden, ffn, topk, device=device, device_splits=device_splits,
-                       single_grouped_weight=single, fuse_wgrad_accumulation=fuse)
+                       single_grouped_weight=single, fuse_wgrad_accumulation=fuse, recompute=recompute)
     utils.ddp_main_grad_hooks(block)
     run = GraphedFP8FlowMoE(block, accumulate_into_main_grad=True) if graphed else block
     x, ids, topk_probs, dy = make_inputs(tokens, hidden, experts, topk, device)
