@@ -12,7 +12,11 @@ every seed sees the same batches; ``examples/data.py``), through ``megatron_benc
   recompute, the same seed: the same initial model (the stand-in and FP8-Flow draw their experts as Megatron's
   ``SequentialMLP`` does) and data order, so what differs is the expert arithmetic;
 - ``bf16_grouped_mm_seed_control``: the stand-in with the next seed: how far two runs land apart from
-  initialisation alone (the floor under any FP8-Flow difference).
+  initialisation alone;
+- with ``--repeat-control``, ``bf16_grouped_mm_repeat``: the baseline's command again (same seed, model and
+  data): how far two runs land apart from the GPU's run-to-run nondeterminism alone (atomic adds in the
+  stand-in's unpermute and in the attention's backward), grown over the iterations. FP8-Flow's run differs from
+  the baseline in its arithmetic only, so this, not the seed control, is the floor under its difference.
 
 The measure is held-out: Megatron's own evaluation (``--eval-iters``, default ``EVAL_ITERS`` = 32 micro-batches,
 262,144 tokens at micro-batch 2) every ``train_iters // EVAL_POINTS`` iterations and after training, on the
@@ -62,7 +66,9 @@ RUNS = {  # name -> (seed offset, bench_megatron_pretrain variant)
     "bf16_grouped_mm": (0, "bf16_grouped_mm"),
     "fp8_flow_single_weight_moe_expert": (0, "fp8_flow_single_weight_moe_expert"),
     "bf16_grouped_mm_seed_control": (1, "bf16_grouped_mm"),
+    "bf16_grouped_mm_repeat": (0, "bf16_grouped_mm"),  # with --repeat-control
 }
+REPEAT = "bf16_grouped_mm_repeat"
 BASELINE = "bf16_grouped_mm"
 DATA = "stdlib_shuffled"  # the default data as examples/data.py reads it (rows of other data are dropped)
 TARGET = 0.0025  # final evaluation loss within 0.25% of the baseline's
@@ -155,6 +161,8 @@ def main(argv=None):
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences of 4096 per iteration")
     parser.add_argument("--eval-iters", type=int, default=EVAL_ITERS, help="micro-batches per evaluation")
+    parser.add_argument("--repeat-control", action="store_true",
+                        help=f"also {REPEAT}: the baseline run again (the nondeterminism floor)")
     parser.add_argument("--per-gpu", type=int, default=None, help="runs at a time on one GPU (default: what fits)")
     parser.add_argument("--run-timeout", type=float, default=420, help="seconds per run, torchrun included")
     args = parser.parse_args(argv)
@@ -164,7 +172,8 @@ def main(argv=None):
     gpus, gpu, te = max(1, torch.cuda.device_count()), pretrain.gpu_facts(), pretrain.transformer_engine_version()
     per_gpu = args.per_gpu or runs_per_gpu(args.num_layers, args.micro_batch_size, gpu["gpu_memory_mib"] * 2**20)
     cmds = {(seed, run): command(run, args.train_iters, args.num_layers, args.micro_batch_size, seed, te is not None,
-                                 args.eval_iters) for seed in args.seed for run in RUNS}
+                                 args.eval_iters)
+            for seed in args.seed for run in RUNS if run != REPEAT or args.repeat_control}
 
     devices = visible_devices(gpus)
 
@@ -223,7 +232,8 @@ def write(rows: list[dict], env: dict):
              "test splits': `final_evals` disjoint slices of the samples after the training ones, the same tokens "
              f"in every run); eval_vs_bf16: relative to the `{BASELINE}` run of the same base seed (the BF16 "
              f"grouped stand-in); within_target: |eval_vs_bf16| <= {TARGET:.2%}; the seed control's eval_vs_bf16 "
-             "is how far two BF16 runs land apart from initialisation alone. train_loss: mean training loss of the "
+             f"is how far two BF16 runs land apart from initialisation alone, the repeat's (`{REPEAT}`, where run) "
+             "how far the same run lands from itself (nondeterminism). train_loss: mean training loss of the "
              f"last {TRAIN_TAIL} iterations (the data those batches hold weighs on it); train_vs_bf16 likewise. "
              "Commands: the `command` field of each row in the JSON; docs/megatron.md.")
     columns = ["base_seed", "run", "seed", "status", "final_eval_loss", "eval_vs_bf16", "within_target", "final_evals",

@@ -84,7 +84,8 @@ def test_fp8_flow_runs_pass_fp8_flow_validation(run):
 
 def test_runs_per_gpu_follow_the_memory_model():
     h100, h200 = 81559 * 2**20, 143771 * 2**20
-    assert (bench.runs_per_gpu(2, 2, h100), bench.runs_per_gpu(2, 2, h200)) == (2, 3)
+    # an H200 fits four: a seed's runs with --repeat-control
+    assert (bench.runs_per_gpu(2, 2, h100), bench.runs_per_gpu(2, 2, h200)) == (2, 4)
     assert bench.runs_per_gpu(8, 2, h100) == 1 and bench.runs_per_gpu(1, 1, 1e12) == len(bench.RUNS)
 
 
@@ -163,7 +164,7 @@ def test_main_compares_the_final_evaluation_against_the_baseline_and_the_target(
     del in_order["data"]
     (tmp_path / "bench_megatron_loss_qwen3_moe_like.json").write_text(json.dumps({"results": [old, other, in_order]}))
     bench.main(["--seed", "1234", "1236"])
-    assert sorted(launched) == sorted((s, r, "0") for s in (1234, 1236) for r in bench.RUNS)
+    assert sorted(launched) == sorted((s, r, "0") for s in (1234, 1236) for r in bench.RUNS if r != bench.REPEAT)
     text = (tmp_path / "bench_megatron_loss_qwen3_moe_like.md").read_text()
     assert "| 1234 | bf16_grouped_mm | 1234 | ok | 2.0000 | +0.00% | True | 3 | 4.0000 | +0.00% |" in text
     assert f"| 1234 | {FLOW} | 1234 | ok | 2.0040 | +0.20% | True | 3 | 4.0080 | +0.20% |" in text
@@ -176,6 +177,26 @@ def test_main_compares_the_final_evaluation_against_the_baseline_and_the_target(
     row = json.loads((tmp_path / "bench_megatron_loss_qwen3_moe_like.json").read_text())["results"][2]
     assert row["data"] == bench.DATA and row["device"] == "H100" and (row["run"], row["eval_curve_iters"], row["final_evals"], len(row["curve"])) == (FLOW, [100, 500], 3, 500)
     assert "final_loss" not in row
+
+
+def test_repeat_control_runs_the_baselines_command_again(tmp_path, monkeypatch):
+    """--repeat-control adds a fourth run per seed whose command is the baseline's (its port aside): the same seed,
+    model and data, so its distance from the baseline is the runs' nondeterminism alone."""
+    base, repeat = (bench.command(r, 500, 2, 2, seed=5) for r in (bench.BASELINE, bench.REPEAT))
+    port = base.index("--master_port") + 1
+    assert base[:port] + base[port + 1:] == repeat[:port] + repeat[port + 1:]
+    commands = []
+    monkeypatch.setattr(pretrain, "run", lambda cmd, timeout, extra_env: (commands.append(cmd), ("exit 1", ""))[1])
+    monkeypatch.setattr(pretrain, "gpu_facts", lambda: {"device": "H100", "gpu_memory_mib": 81559})
+    monkeypatch.setattr(pretrain, "transformer_engine_version", lambda: None)
+    monkeypatch.setattr(bench.utils, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(bench.utils, "environment", lambda device: dict(device))
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(bench, "plot", lambda rows, path: None)
+    bench.main(["--seed", "5", "--repeat-control"])
+    rows = json.loads((tmp_path / "bench_megatron_loss_qwen3_moe_like.json").read_text())["results"]
+    assert [r["run"] for r in rows] == list(bench.RUNS) and len(commands) == 4
+    assert [r["seed"] for r in rows] == [5, 5, 6, 5]
 
 
 def test_main_needs_more_iterations_than_the_training_tail():
