@@ -14,8 +14,8 @@ every seed sees the same batches; ``examples/data.py``), through ``megatron_benc
 - ``bf16_grouped_mm_seed_control``: the stand-in with the next seed: how far two runs land apart from
   initialisation alone;
 - with ``--repeat-control``, ``bf16_grouped_mm_repeat``: the baseline's command again (same seed, model and
-  data): how far two runs land apart from the GPU's run-to-run nondeterminism alone (atomic adds in the
-  stand-in's unpermute and in the attention's backward), grown over the iterations. FP8-Flow's run differs from
+  data): how far two runs land apart from the GPU's run-to-run nondeterminism alone (for one, the unordered
+  atomic adds of Megatron's unpermute, ``scatter_add_`` / ``index_add_``), grown over the iterations. FP8-Flow's run differs from
   the baseline in its arithmetic only, so this, not the seed control, is the floor under its difference.
 
 The measure is held-out: Megatron's own evaluation (``--eval-iters``, default ``EVAL_ITERS`` = 32 micro-batches,
