@@ -4,8 +4,9 @@ Three runs of ``bench_megatron_pretrain``'s ``qwen3_moe_like`` model (Qwen3-30B-
 query heads in 4 KV groups, 128 experts of ffn 768, top-8, sequence 4096) with ``--num-layers`` (default 2),
 one micro-batch of ``--micro-batch-size`` (default 2: 8192 tokens, 512 rows per expert) per iteration, on the
 default data (the Python standard library's bytes, vocabulary 256, windows in a fixed shuffled order:
-every seed sees the same batches; ``examples/data.py``), through ``megatron_bench_entry.py`` with the same attention and Megatron path as the throughput runs
-(TransformerEngine's where installed, else the torch SDPA core):
+every seed sees the same batches; ``examples/data.py``), through ``megatron_bench_entry.py`` with the same
+attention and Megatron path as the throughput runs (TransformerEngine's where installed, else the torch SDPA
+core):
 - ``bf16_grouped_mm``: the BF16 grouped-GEMM stand-in for TE's ``TEGroupedMLP`` (two ``torch._grouped_mm``;
   Megatron's router and dispatcher), seed ``--seed`` (default 1234): the baseline;
 - ``fp8_flow_single_weight_moe_expert``: FP8-Flow (E4M3, one grouped weight per GEMM) with ``moe_expert``
@@ -15,21 +16,22 @@ every seed sees the same batches; ``examples/data.py``), through ``megatron_benc
   initialisation alone;
 - with ``--repeat-control``, ``bf16_grouped_mm_repeat``: the baseline's command again (same seed, model and
   data): how far two runs land apart from the GPU's run-to-run nondeterminism alone (for one, the unordered
-  atomic adds of Megatron's unpermute, ``scatter_add_`` / ``index_add_``), grown over the iterations. FP8-Flow's run differs from
-  the baseline in its arithmetic only, so this, not the seed control, is the floor under its difference.
+  atomic adds of Megatron's unpermute, ``scatter_add_`` / ``index_add_``), grown over the iterations.
+  FP8-Flow's run differs from the baseline in its arithmetic only, so this, not the seed control, is the floor
+  under its difference.
 
 The measure is held-out: Megatron's own evaluation (``--eval-iters``, default ``EVAL_ITERS`` = 32 micro-batches,
-262,144 tokens at micro-batch 2) every ``train_iters // EVAL_POINTS`` iterations and after training, on the
-data's validation and test splits: the samples right after the training ones (``examples/megatron_data.py``),
-drawn from the whole corpus like them and never trained on while the stream lasts (about 7,700 windows of 4096
-bytes on Python 3.11; past its end the samples wrap onto the training ones). Rows measured on other data (the
-windows in file order, before 2026-11-28) are dropped: there the last iterations trained on one stretch of
-files and the evaluation read the next, so two BF16 seeds landed 0.9-3.3% apart. Megatron's evaluations read their split in order, each the next
-``eval_iters`` micro-batches, so the k-th evaluation reads the same tokens in every run. ``final_eval_loss``: the
-mean of the evaluations of the final model (the loop's at the last iteration, the validation and test ones after
-training: three disjoint slices, 786,432 tokens by default); ``eval_vs_bf16``: relative to ``bf16_grouped_mm``'s;
-the target is within 0.25%. Secondary: ``train_loss``, the mean of the last ``TRAIN_TAIL`` iterations' training
-losses (every iteration logged), and ``train_vs_bf16``.
+262,144 tokens at micro-batch 2) every ``train_iters // EVAL_POINTS`` iterations and after training, on the data's
+validation and test splits: the samples right after the training ones (``examples/megatron_data.py``), drawn from
+the whole corpus like them and never trained on while the stream lasts (about 7,700 windows of 4096 bytes on Python
+3.11; past its end the samples wrap onto the training ones). Rows measured on other data (the windows in file
+order, before 2026-11-28) are dropped: there the last iterations trained on one stretch of files and the evaluation
+read the next, so two BF16 seeds landed 0.9-3.3% apart. Megatron's evaluations read their split in order, each the
+next ``eval_iters`` micro-batches, so the k-th evaluation reads the same tokens in every run. ``final_eval_loss``:
+the mean of the evaluations of the final model (the loop's at the last iteration, the validation and test ones
+after training: three disjoint slices, 786,432 tokens by default); ``eval_vs_bf16``: relative to
+``bf16_grouped_mm``'s; the target is within 0.25%. Secondary: ``train_loss``, the mean of the last ``TRAIN_TAIL``
+iterations' training losses (every iteration logged), and ``train_vs_bf16``.
 
 The runs go ``--per-gpu`` at a time on each visible GPU (default: as many as the memory model of
 ``megatron_configs.memory_needed`` fits), so iteration times are shared-GPU times, comparable with each
@@ -191,8 +193,9 @@ def main(argv=None):
         futures = {key: pool.submit(launch, i, key) for i, key in enumerate(cmds)}
         for (seed, run), future in futures.items():
             status, out, wall = future.result()
-            row = dict(run=run, base_seed=seed, seed=seed + RUNS[run][0], status=status, data=DATA, device=gpu["device"],
-                       iters=args.train_iters, layers=args.num_layers, micro_batch_size=args.micro_batch_size,
+            row = dict(run=run, base_seed=seed, seed=seed + RUNS[run][0], status=status, data=DATA,
+                       device=gpu["device"], iters=args.train_iters, layers=args.num_layers,
+                       micro_batch_size=args.micro_batch_size,
                        eval_iters=args.eval_iters, eval_interval=eval_interval(args.train_iters), wall_s=wall,
                        command=" ".join(cmds[seed, run]))
             row.update(pretrain.outcome(status, out, args.micro_batch_size * megatron_configs.SEQ, 1))
@@ -224,12 +227,13 @@ def write(rows: list[dict], env: dict):
     shapes = sorted({f"{r['iters']} iterations, {r['layers']} layers, micro-batch {r['micro_batch_size']}, "
                      f"{r['eval_iters']} micro-batches per evaluation every {r['eval_interval']} iterations"
                      for r in rows})
-    notes = (summary(rows) + f"{'; '.join(shapes)}: `{CONFIG}` (bench_megatron_pretrain.py) on the standard library's "
-             f"bytes in a fixed shuffled window order (every seed the same batches), sequence {megatron_configs.SEQ}, "
-             "one micro-batch per iteration. The runs of a call shared its GPUs, as many at a time as the memory model "
-             "fits (`runs_per_gpu` above: the latest call's): iteration times are shared-GPU times. final_eval_loss: the final model's loss on held-out data "
-             "(Megatron's evaluations at the last iteration: the loop's and, after training, the validation and "
-             "test splits': `final_evals` disjoint slices of the samples after the training ones, the same tokens "
+    notes = (summary(rows) + f"{'; '.join(shapes)}: `{CONFIG}` (bench_megatron_pretrain.py) on the standard "
+             "library's bytes in a fixed shuffled window order (every seed the same batches), sequence "
+             f"{megatron_configs.SEQ}, one micro-batch per iteration. The runs of a call shared its GPUs, as many at a "
+             "time as the memory model fits (`runs_per_gpu` above: the latest call's): iteration times are shared-GPU "
+             "times. final_eval_loss: the final model's loss on held-out data (Megatron's evaluations at the last "
+             "iteration: the loop's and, after training, the validation and test splits': `final_evals` disjoint "
+             "slices of the samples after the training ones, the same tokens "
              f"in every run); eval_vs_bf16: relative to the `{BASELINE}` run of the same base seed (the BF16 "
              f"grouped stand-in); within_target: |eval_vs_bf16| <= {TARGET:.2%}; the seed control's eval_vs_bf16 "
              f"is how far two BF16 runs land apart from initialisation alone, the repeat's (`{REPEAT}`, where run) "
@@ -237,8 +241,8 @@ def write(rows: list[dict], env: dict):
              f"last {TRAIN_TAIL} iterations (the data those batches hold weighs on it); train_vs_bf16 likewise. "
              "Commands: the `command` field of each row in the JSON; docs/megatron.md.")
     columns = ["base_seed", "run", "seed", "status", "final_eval_loss", "eval_vs_bf16", "within_target", "final_evals",
-               "train_loss", "train_vs_bf16", "device", "iter_ms", "max_allocated_mib", "wall_s", "attention", "experts",
-               "error"]
+               "train_loss", "train_vs_bf16", "device", "iter_ms", "max_allocated_mib", "wall_s", "attention",
+               "experts", "error"]
     path = utils.write_results(f"bench_megatron_loss_{CONFIG}", "Megatron pretrain loss: BF16 stand-in vs FP8-Flow",
                                env, {}, rows, columns, notes=notes,
                                formats={"final_eval_loss": ".4f", "eval_vs_bf16": "+.2%", "train_loss": ".4f",

@@ -14,8 +14,8 @@ def test_eager_variants_step_and_graphed_ones_need_a_gpu(monkeypatch):
     import bench_graphed_moe as bench
 
     assert list(bench.VARIANTS) == ["fp8_flow_single_weight", "fp8_flow_device_splits_single_weight",
-                                    "fp8_flow_graph_single_weight", "fp8_flow_graph", "fp8_flow_single_weight_moe_expert",
-                                    "fp8_flow_graph_single_weight_moe_expert"]
+                                    "fp8_flow_graph_single_weight", "fp8_flow_graph",
+                                    "fp8_flow_single_weight_moe_expert", "fp8_flow_graph_single_weight_moe_expert"]
     for name, (_, graphed, _, recompute) in bench.VARIANTS.items():
         step, block = bench.make_step(name, 4, 128, 128, 2, 16, False, "cpu")
         if graphed:

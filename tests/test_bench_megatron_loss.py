@@ -145,7 +145,8 @@ def test_main_compares_the_final_evaluation_against_the_baseline_and_the_target(
         seed, run = next((s, r) for s in (1234, 1236) for r in bench.RUNS
                          if bench.command(r, 500, 2, 2, seed=s)[6:] == cmd[6:])
         launched.append((seed, run, extra_env["CUDA_VISIBLE_DEVICES"]))
-        loss = evals[run] * (1 if seed == 1234 else 1.5)  # the final model: the loop's evaluation and the two after training average to `loss`
+        # the final model: the loop's evaluation and the two after training average to `loss`
+        loss = evals[run] * (1 if seed == 1234 else 1.5)
         finals = {"iteration 500": loss - 0.01, "iteration 500 on validation set": loss,
                   "iteration 500 on test set": loss + 0.01}
         return "ok", _log(500, lambda i: 1.0 if i <= 400 else 2 * loss, {"iteration 100": 3.0, **finals})
@@ -175,7 +176,8 @@ def test_main_compares_the_final_evaluation_against_the_baseline_and_the_target(
             "0.00%, range +0.50% to +0.50%, 2 seeds)") in text
     assert "runs_per_gpu: 2" in text and (tmp_path / "bench_megatron_loss_qwen3_moe_like.png").exists()
     row = json.loads((tmp_path / "bench_megatron_loss_qwen3_moe_like.json").read_text())["results"][2]
-    assert row["data"] == bench.DATA and row["device"] == "H100" and (row["run"], row["eval_curve_iters"], row["final_evals"], len(row["curve"])) == (FLOW, [100, 500], 3, 500)
+    assert row["data"] == bench.DATA and row["device"] == "H100"
+    assert (row["run"], row["eval_curve_iters"], row["final_evals"], len(row["curve"])) == (FLOW, [100, 500], 3, 500)
     assert "final_loss" not in row
 
 
