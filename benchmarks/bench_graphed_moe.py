@@ -14,11 +14,15 @@ wgrad fusion, as the Megatron runs of this repository, or with ``--fuse-wgrad-ac
 - ``fp8_flow_graph_single_weight``: that block through ``GraphedFP8FlowMoE``;
 - ``fp8_flow_graph``: the same with one weight per expert (autograd and DDP's hook still run per parameter);
 - ``fp8_flow_single_weight_moe_expert`` / ``fp8_flow_graph_single_weight_moe_expert``: the first and the third with
-  ``recompute="moe_expert"`` (the graphs capture the checkpoint, the backward's rerun included).
+  ``recompute="moe_expert"`` (the graphs capture the checkpoint, the backward's rerun included);
+- ``bf16_grouped_mm`` (``BASELINE``): the strongest BF16 block (``baselines.BF16GroupedMMBlock``, eager, no host
+  sync) over the same experts and routing (its ``forward_topk`` takes the ids the router's map was made from),
+  under the same gradient contract.
 
 Columns as ``bench_host_time.py`` (its timing functions): ``host_ms`` until ``backward()`` returns from an idle
 GPU, ``wall_ms`` until the GPU is done, ``gpu_ms`` kernel time per step (torch profiler), ``launches`` kernel
-launches by the host per step (a graphed step's kernels come from its two graph launches, not counted).
+launches by the host per step (a graphed step's kernels come from its two graph launches, not counted);
+``vs_bf16_grouped_mm``: the baseline's ``wall_ms`` over the row's, where this call measured the baseline.
 
 Run on a GPU: ``python benchmarks/bench_graphed_moe.py [--tokens 4096]``.
 """
@@ -32,6 +36,7 @@ import torch
 from transformer_engine_moe import FP8FlowMoE, GraphedFP8FlowMoE, topk_to_routing_map
 
 import utils
+from baselines import BF16GroupedMMBlock
 from bench_host_time import CONFIGS, gpu_ms_and_launches, make_inputs
 
 VARIANTS = {  # name -> (device splits, replayed from CUDA graphs, single grouped weight, recompute)
@@ -42,25 +47,33 @@ VARIANTS = {  # name -> (device splits, replayed from CUDA graphs, single groupe
     "fp8_flow_single_weight_moe_expert": (False, False, True, "moe_expert"),
     "fp8_flow_graph_single_weight_moe_expert": (True, True, True, "moe_expert"),
 }
+BASELINE = "bf16_grouped_mm"
 
 
 def make_step(name: str, experts: int, hidden: int, ffn: int, topk: int, tokens: int, fuse: bool, device):
     """``(step, block)``: one micro-batch of variant ``name`` per ``step()`` (the first says
-    ``is_first_microbatch=True``, the others False), router output and gradients fixed."""
-    device_splits, graphed, single, recompute = VARIANTS[name]
+    ``is_first_microbatch=True``, the others False), router output and gradients fixed. ``BASELINE``: the BF16
+    block over the same experts (those of the single-weight block), stepped through ``forward_topk``."""
+    device_splits, graphed, single, recompute = VARIANTS.get(name, (False, False, True, None))
     torch.manual_seed(0)
     block = FP8FlowMoE(experts, hidden, ffn, topk, device=device, device_splits=device_splits,
                        single_grouped_weight=single, fuse_wgrad_accumulation=fuse, recompute=recompute)
+    if name == BASELINE:
+        block = BF16GroupedMMBlock.from_block(block)
     utils.ddp_main_grad_hooks(block)
     run = GraphedFP8FlowMoE(block, accumulate_into_main_grad=True) if graphed else block
     x, ids, topk_probs, dy = make_inputs(tokens, hidden, experts, topk, device)
     routing_map, probs = topk_to_routing_map(ids, topk_probs, experts)
     probs.requires_grad_()
+    topk_probs.requires_grad_()  # the baseline's router gradient, as the FP8-Flow blocks' through probs
     flags = utils.FP8_WEIGHTS["cached"]()
 
     def step():
-        x.grad = probs.grad = None
-        run(x, probs, routing_map, is_first_microbatch=next(flags)).backward(dy)
+        x.grad = probs.grad = topk_probs.grad = None
+        if name == BASELINE:
+            block.forward_topk(x, ids, topk_probs).backward(dy)
+        else:
+            run(x, probs, routing_map, is_first_microbatch=next(flags)).backward(dy)
 
     return step, block
 
@@ -73,7 +86,7 @@ def main():
     parser.add_argument("--steps", type=int, default=20, help="timed steps per block (medians)")
     parser.add_argument("--fuse-wgrad-accumulation", action="store_true",
                         help="wgrad GEMMs add into main_grad (Megatron's --gradient-accumulation-fusion, with TE)")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=[BASELINE, *VARIANTS], default=[BASELINE, *VARIANTS])
     args = parser.parse_args()
     env = utils.environment()
     c = CONFIGS[args.config]
@@ -92,15 +105,20 @@ def main():
             print(rows[-1], flush=True)
             del step, block
             torch.cuda.empty_cache()
+        base = next((r["wall_ms"] for r in rows if r["tokens"] == tokens and r["block"] == BASELINE), None)
+        for r in rows:
+            if r["tokens"] == tokens and base:
+                r["vs_bf16_grouped_mm"] = base / r["wall_ms"]
     path = utils.write_results(
         "bench_graphed_moe", "Host time vs GPU time of one FP8-Flow MoE layer step, eager and from CUDA graphs",
         {**env, "fuse_wgrad_accumulation": args.fuse_wgrad_accumulation}, {}, rows,
         ["config", "experts", "hidden", "ffn", "topk", "tokens", "block", "host_ms", "wall_ms", "gpu_ms", "launches",
-         "host_over_gpu"],
+         "host_over_gpu", "vs_bf16_grouped_mm"],
         notes="host_ms: until backward() returns, from an idle GPU; wall_ms: until the GPU is done; gpu_ms: kernel "
               "time per step (torch profiler); medians over --steps steps. Local dispatcher, FP8 weights cached (a "
               "step's later micro-batches), Megatron DDP's main_grad and hook on every weight. launches: kernels "
-              "launched by the host (a graphed step's come from its two graph launches).")
+              "launched by the host (a graphed step's come from its two graph launches). vs_bf16_grouped_mm: the "
+              "eager BF16 grouped_mm block's wall_ms over the row's, same call and tokens.")
     print(path.read_text())
 
 

@@ -5,6 +5,7 @@ graphed ones refuse the CPU by name."""
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -25,3 +26,18 @@ def test_eager_variants_step_and_graphed_ones_need_a_gpu(monkeypatch):
         step(), step()
         assert block.recompute == recompute, name
         assert all(p.grad is None and p.main_grad.abs().sum() > 0 for p in block.parameters()), name
+
+
+def test_baseline_is_the_bf16_block_over_the_same_experts(monkeypatch):
+    """``bf16_grouped_mm``: the BF16 grouped_mm block with the single-weight block's experts, stepped through
+    ``forward_topk`` under the same gradient contract (main_grad filled, .grad dropped)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_graphed_moe as bench
+    from baselines import BF16GroupedMMBlock
+
+    step, block = bench.make_step(bench.BASELINE, 4, 128, 128, 2, 16, False, "cpu")
+    _, fp8 = bench.make_step("fp8_flow_single_weight", 4, 128, 128, 2, 16, False, "cpu")
+    assert isinstance(block, BF16GroupedMMBlock) and bench.BASELINE not in bench.VARIANTS
+    assert torch.equal(block.fc1, torch.stack(fp8.linear_fc1.weights))
+    step(), step()
+    assert all(p.grad is None and p.main_grad.abs().sum() > 0 for p in block.parameters())
