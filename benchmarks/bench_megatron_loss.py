@@ -14,7 +14,7 @@ core):
   ``SequentialMLP`` does) and data order, so what differs is the expert arithmetic;
 - ``bf16_grouped_mm_seed_control``: the stand-in with the next seed: how far two runs land apart from
   initialisation alone;
-- with ``--repeat-control``, ``bf16_grouped_mm_repeat``: the baseline's command again (same seed, model and
+- ``bf16_grouped_mm_repeat`` (only when ``--runs`` names it): the baseline's command again (same seed, model and
   data): how far two runs land apart from the GPU's run-to-run nondeterminism alone (for one, the unordered
   atomic adds of Megatron's unpermute, ``scatter_add_`` / ``index_add_``), grown over the iterations.
   FP8-Flow's run differs from the baseline in its arithmetic only, so this, not the seed control, is the floor
@@ -68,9 +68,11 @@ RUNS = {  # name -> (seed offset, bench_megatron_pretrain variant)
     "bf16_grouped_mm": (0, "bf16_grouped_mm"),
     "fp8_flow_single_weight_moe_expert": (0, "fp8_flow_single_weight_moe_expert"),
     "bf16_grouped_mm_seed_control": (1, "bf16_grouped_mm"),
-    "bf16_grouped_mm_repeat": (0, "bf16_grouped_mm"),  # with --repeat-control
+    "bf16_grouped_mm_repeat": (0, "bf16_grouped_mm"),  # only when --runs names it
 }
 REPEAT = "bf16_grouped_mm_repeat"
+DEFAULT_RUNS = [run for run in RUNS if run != REPEAT]
+SETTINGS = ("iters", "layers", "micro_batch_size", "eval_iters")  # rows of one base seed share these
 BASELINE = "bf16_grouped_mm"
 DATA = "stdlib_shuffled"  # the default data as examples/data.py reads it (rows of other data are dropped)
 TARGET = 0.0025  # final evaluation loss within 0.25% of the baseline's
@@ -163,8 +165,9 @@ def main(argv=None):
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--micro-batch-size", type=int, default=2, help="sequences of 4096 per iteration")
     parser.add_argument("--eval-iters", type=int, default=EVAL_ITERS, help="micro-batches per evaluation")
-    parser.add_argument("--repeat-control", action="store_true",
-                        help=f"also {REPEAT}: the baseline run again (the nondeterminism floor)")
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=DEFAULT_RUNS,
+                        help=f"which runs of each seed (default {DEFAULT_RUNS}); the stored rows of the others are "
+                             f"kept, e.g. --runs {REPEAT} adds the nondeterminism floor to measured seeds")
     parser.add_argument("--per-gpu", type=int, default=None, help="runs at a time on one GPU (default: what fits)")
     parser.add_argument("--run-timeout", type=float, default=420, help="seconds per run, torchrun included")
     args = parser.parse_args(argv)
@@ -175,7 +178,17 @@ def main(argv=None):
     per_gpu = args.per_gpu or runs_per_gpu(args.num_layers, args.micro_batch_size, gpu["gpu_memory_mib"] * 2**20)
     cmds = {(seed, run): command(run, args.train_iters, args.num_layers, args.micro_batch_size, seed, te is not None,
                                  args.eval_iters)
-            for seed in args.seed for run in RUNS if run != REPEAT or args.repeat_control}
+            for seed in args.seed for run in args.runs}
+    stored = utils.RESULTS_DIR / f"bench_megatron_loss_{CONFIG}.json"
+    kept = json.loads(stored.read_text())["results"] if stored.exists() else []
+    # rows on the same data (and with evaluations), except those this call measures again
+    kept = [r for r in kept if r.get("data") == DATA and (r["base_seed"], r["run"]) not in cmds]
+    settings = (args.train_iters, args.num_layers, args.micro_batch_size, args.eval_iters)
+    for r in kept:
+        if r["base_seed"] in args.seed and tuple(r[k] for k in SETTINGS) != settings:
+            parser.error(f"the stored {r['run']} row of seed {r['base_seed']} was measured with {SETTINGS} = "
+                         f"{tuple(r[k] for k in SETTINGS)}, this call runs {settings}: give the same settings or "
+                         "rerun every run of that seed")
 
     devices = visible_devices(gpus)
 
@@ -185,10 +198,7 @@ def main(argv=None):
         return status, out, time.perf_counter() - began
 
     env = dict(utils.environment(gpu), gpus=gpus, runs_per_gpu=per_gpu, transformer_engine=te or "absent")
-    stored = utils.RESULTS_DIR / f"bench_megatron_loss_{CONFIG}.json"
-    kept = json.loads(stored.read_text())["results"] if stored.exists() else []
-    kept = [r for r in kept if r["base_seed"] not in args.seed and r.get("data") == DATA]  # same data, evaluated
-    rows = {seed: {} for seed in args.seed}
+    new = []
     with concurrent.futures.ThreadPoolExecutor(gpus * per_gpu) as pool:
         futures = {key: pool.submit(launch, i, key) for i, key in enumerate(cmds)}
         for (seed, run), future in futures.items():
@@ -202,11 +212,14 @@ def main(argv=None):
             row.pop("final_loss", None)  # bench_megatron_pretrain's (the last quarter of the logs): train_loss here
             row.update(evaluations(out, args.train_iters),
                        train_loss=train_loss(row.get("curve_iters", []), row.get("curve", []), args.train_iters))
-            rows[seed][run] = row
+            new.append(row)
             print(seed, run, status, row["final_eval_loss"], flush=True)
-    for seed_rows in rows.values():
-        compare(seed_rows)
-    print(write(kept + [r for seed_rows in rows.values() for r in seed_rows.values()], env).read_text())
+    rows = sorted(kept + new, key=lambda r: (r["base_seed"], list(RUNS).index(r["run"])))
+    for seed in dict.fromkeys(r["base_seed"] for r in rows):
+        seed_rows = {r["run"]: r for r in rows if r["base_seed"] == seed}
+        if BASELINE in seed_rows:
+            compare(seed_rows)
+    print(write(rows, env).read_text())
 
 
 def summary(rows: list[dict]) -> str:

@@ -84,7 +84,7 @@ def test_fp8_flow_runs_pass_fp8_flow_validation(run):
 
 def test_runs_per_gpu_follow_the_memory_model():
     h100, h200 = 81559 * 2**20, 143771 * 2**20
-    # an H200 fits four: a seed's runs with --repeat-control
+    # an H200 fits four: a seed's runs with the repeat
     assert (bench.runs_per_gpu(2, 2, h100), bench.runs_per_gpu(2, 2, h200)) == (2, 4)
     assert bench.runs_per_gpu(8, 2, h100) == 1 and bench.runs_per_gpu(1, 1, 1e12) == len(bench.RUNS)
 
@@ -181,24 +181,42 @@ def test_main_compares_the_final_evaluation_against_the_baseline_and_the_target(
     assert "final_loss" not in row
 
 
-def test_repeat_control_runs_the_baselines_command_again(tmp_path, monkeypatch):
-    """--repeat-control adds a fourth run per seed whose command is the baseline's (its port aside): the same seed,
-    model and data, so its distance from the baseline is the runs' nondeterminism alone."""
+def test_repeat_run_is_the_baselines_command_added_to_measured_seeds(tmp_path, monkeypatch):
+    """``--runs bf16_grouped_mm_repeat`` runs the baseline's command again (its port aside: the same seed, model
+    and data) for seeds already measured, keeps their stored rows and compares the new one with their baseline;
+    stored rows of other settings stop the call before it runs anything."""
     base, repeat = (bench.command(r, 500, 2, 2, seed=5) for r in (bench.BASELINE, bench.REPEAT))
     port = base.index("--master_port") + 1
     assert base[:port] + base[port + 1:] == repeat[:port] + repeat[port + 1:]
+    assert bench.REPEAT not in bench.DEFAULT_RUNS
     commands = []
-    monkeypatch.setattr(pretrain, "run", lambda cmd, timeout, extra_env: (commands.append(cmd), ("exit 1", ""))[1])
+
+    def fake_run(cmd, timeout, extra_env):
+        commands.append(cmd)
+        finals = {f"iteration 500{s}": 2.02 for s in ("", " on validation set", " on test set")}
+        return "ok", _log(500, lambda i: 1.0, finals)
+
+    monkeypatch.setattr(pretrain, "run", fake_run)
     monkeypatch.setattr(pretrain, "gpu_facts", lambda: {"device": "H100", "gpu_memory_mib": 81559})
     monkeypatch.setattr(pretrain, "transformer_engine_version", lambda: None)
     monkeypatch.setattr(bench.utils, "RESULTS_DIR", tmp_path)
     monkeypatch.setattr(bench.utils, "environment", lambda device: dict(device))
     monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(bench, "plot", lambda rows, path: None)
-    bench.main(["--seed", "5", "--repeat-control"])
-    rows = json.loads((tmp_path / "bench_megatron_loss_qwen3_moe_like.json").read_text())["results"]
-    assert [r["run"] for r in rows] == list(bench.RUNS) and len(commands) == 4
-    assert [r["seed"] for r in rows] == [5, 5, 6, 5]
+    stored = [dict(run=run, base_seed=5, seed=5 + bench.RUNS[run][0], status="ok", data=bench.DATA, iters=500,
+                   layers=2, micro_batch_size=2, eval_iters=32, eval_interval=100, final_eval_loss=loss)
+              for run, loss in zip(bench.DEFAULT_RUNS, (2.0, 2.01, 2.05))]
+    path = tmp_path / "bench_megatron_loss_qwen3_moe_like.json"
+    path.write_text(json.dumps({"results": stored}))
+    with pytest.raises(SystemExit):
+        bench.main(["--seed", "5", "--runs", bench.REPEAT, "--train-iters", "400"])
+    assert commands == []
+    bench.main(["--seed", "5", "--runs", bench.REPEAT])
+    rows = json.loads(path.read_text())["results"]
+    assert len(commands) == 1 and [r["run"] for r in rows] == list(bench.RUNS)
+    assert [r["final_eval_loss"] for r in rows[:3]] == [2.0, 2.01, 2.05]
+    assert rows[3]["seed"] == 5 and rows[3]["eval_vs_bf16"] == pytest.approx(0.01)
+    assert rows[1]["eval_vs_bf16"] == pytest.approx(0.005)
 
 
 def test_main_needs_more_iterations_than_the_training_tail():
