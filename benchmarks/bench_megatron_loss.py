@@ -1,6 +1,6 @@
 """Loss study through Megatron's own ``pretrain`` (megatron-core 0.19.x): does FP8-Flow train like BF16?
 
-Three runs of ``bench_megatron_pretrain``'s ``qwen3_moe_like`` model (Qwen3-30B-A3B's layer: hidden 2048, 32
+Three runs (four with the repeat) of ``bench_megatron_pretrain``'s ``qwen3_moe_like`` model (Qwen3-30B-A3B's layer: hidden 2048, 32
 query heads in 4 KV groups, 128 experts of ffn 768, top-8, sequence 4096) with ``--num-layers`` (default 2),
 one micro-batch of ``--micro-batch-size`` (default 2: 8192 tokens, 512 rows per expert) per iteration, on the
 default data (the Python standard library's bytes, vocabulary 256, windows in a fixed shuffled order:
@@ -39,9 +39,10 @@ other only. Each run is bounded by ``--run-timeout``. Writes
 ``benchmarks/results/bench_megatron_loss_qwen3_moe_like.json`` / ``.md`` / ``.png`` (training-loss curves with
 the evaluations, and each run's evaluation loss against the baseline's, per seed); rows of other seeds measured
 with evaluations on the same data are kept, so repeats with other seeds build one table; the notes give each
-run's mean ``eval_vs_bf16`` over the base seeds with its range.
+run's mean ``eval_vs_bf16`` over the base seeds with its standard deviation and range.
 
     python benchmarks/bench_megatron_loss.py [--train-iters 500] [--seed 1234 [1236 ...]] [--eval-iters 32]
+        [--runs RUN ...]
 """
 
 from __future__ import annotations
