@@ -1,12 +1,11 @@
 """Loss study through Megatron's own ``pretrain`` (megatron-core 0.19.x): does FP8-Flow train like BF16?
 
-Three runs (four with the repeat) of ``bench_megatron_pretrain``'s ``qwen3_moe_like`` model (Qwen3-30B-A3B's layer: hidden 2048, 32
-query heads in 4 KV groups, 128 experts of ffn 768, top-8, sequence 4096) with ``--num-layers`` (default 2),
-one micro-batch of ``--micro-batch-size`` (default 2: 8192 tokens, 512 rows per expert) per iteration, on the
-default data (the Python standard library's bytes, vocabulary 256, windows in a fixed shuffled order:
-every seed sees the same batches; ``examples/data.py``), through ``megatron_bench_entry.py`` with the same
-attention and Megatron path as the throughput runs (TransformerEngine's where installed, else the torch SDPA
-core):
+Three runs (four with the repeat) of ``bench_megatron_pretrain``'s ``qwen3_moe_like`` model (Qwen3-30B-A3B's layer:
+hidden 2048, 32 query heads in 4 KV groups, 128 experts of ffn 768, top-8, sequence 4096) with ``--num-layers``
+(default 2), one micro-batch of ``--micro-batch-size`` (default 2: 8192 tokens, 512 rows per expert) per iteration,
+on the default data (the Python standard library's bytes, vocabulary 256, windows in a fixed shuffled order: every
+seed sees the same batches; ``examples/data.py``), through ``megatron_bench_entry.py`` with the same attention and
+Megatron path as the throughput runs (TransformerEngine's where installed, else the torch SDPA core):
 - ``bf16_grouped_mm``: the BF16 grouped-GEMM stand-in for TE's ``TEGroupedMLP`` (two ``torch._grouped_mm``;
   Megatron's router and dispatcher), seed ``--seed`` (default 1234): the baseline;
 - ``fp8_flow_single_weight_moe_expert``: FP8-Flow (E4M3, one grouped weight per GEMM) with ``moe_expert``
