@@ -49,6 +49,8 @@ class ByteStream:
     """
 
     def __init__(self, corpus: torch.Tensor, seq_length: int):
+        if not isinstance(seq_length, int) or isinstance(seq_length, bool) or seq_length < 1:
+            raise ValueError(f"seq_length must be a positive int, got {seq_length!r}")
         if corpus.numel() <= seq_length + 1:
             raise ValueError(f"corpus of {corpus.numel()} bytes is too short for seq_length "
                              f"{seq_length}")

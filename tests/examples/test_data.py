@@ -1,5 +1,6 @@
 """examples/data.py: the standard library's bytes as Megatron-style samples (fixed shuffled window order)."""
 
+import pytest
 import torch
 
 from examples.data import ByteStream, StdlibBytesDataset, stdlib_bytes
@@ -48,3 +49,14 @@ def test_standard_library_stream_reads_real_source():
     stream = ByteStream(stdlib_bytes(1 << 16), 256)
     tokens, _ = stream.batch(0, 4)
     assert tokens.shape == (4, 256) and tokens.dtype == torch.int64 and tokens.max() < 256
+
+
+@pytest.mark.parametrize("seq_length", [0, -4, 2.0, True])
+def test_bad_sequence_lengths_are_named(seq_length):
+    with pytest.raises(ValueError, match=f"seq_length must be a positive int, got {seq_length!r}"):
+        ByteStream(_marked_corpus(20), seq_length)
+
+
+def test_a_corpus_shorter_than_a_window_is_named():
+    with pytest.raises(ValueError, match="too short for seq_length 8"):
+        ByteStream(torch.zeros(8, dtype=torch.uint8), SEQ)
