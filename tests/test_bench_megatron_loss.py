@@ -137,6 +137,18 @@ def test_runs_get_their_extra_environment():
     assert pretrain.run([sys.executable, "-c", code], 30, {"CUDA_VISIBLE_DEVICES": "3"}) == ("ok", "3\n")
 
 
+def _fake_machine(monkeypatch, tmp_path, fake_run):
+    """``main``'s machine: ``fake_run`` for its runs (``pretrain.run``'s signature), one H100 without TE, equal
+    ports across calls, results under ``tmp_path``."""
+    monkeypatch.setattr(pretrain, "run", fake_run)
+    monkeypatch.setattr(pretrain, "gpu_facts", lambda: {"device": "H100", "gpu_memory_mib": 81559})
+    monkeypatch.setattr(pretrain, "transformer_engine_version", lambda: None)
+    monkeypatch.setattr(pretrain.utils, "free_port", lambda: 29500)
+    monkeypatch.setattr(bench.utils, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(bench.utils, "environment", lambda device: dict(device))
+    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
+
+
 def test_main_compares_the_final_evaluation_against_the_baseline_and_the_target(tmp_path, monkeypatch):
     evals = {"bf16_grouped_mm": 2.0, FLOW: 2.004, "bf16_grouped_mm_seed_control": 2.01}
     launched = []
@@ -151,13 +163,7 @@ def test_main_compares_the_final_evaluation_against_the_baseline_and_the_target(
                   "iteration 500 on test set": loss + 0.01}
         return "ok", _log(500, lambda i: 1.0 if i <= 400 else 2 * loss, {"iteration 100": 3.0, **finals})
 
-    monkeypatch.setattr(pretrain, "run", fake_run)
-    monkeypatch.setattr(pretrain, "gpu_facts", lambda: {"device": "H100", "gpu_memory_mib": 81559})
-    monkeypatch.setattr(pretrain, "transformer_engine_version", lambda: None)
-    monkeypatch.setattr(pretrain.utils, "free_port", lambda: 29500)  # equal commands across calls
-    monkeypatch.setattr(bench.utils, "RESULTS_DIR", tmp_path)
-    monkeypatch.setattr(bench.utils, "environment", lambda device: dict(device))
-    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
+    _fake_machine(monkeypatch, tmp_path, fake_run)
     old = dict(run="bf16_grouped_mm", base_seed=7, seed=7, iters=500, final_loss=1.0)  # before evaluations: dropped
     other = dict(run="bf16_grouped_mm", base_seed=9, seed=9, status="ok", iters=500, layers=2, micro_batch_size=2,
                  eval_iters=32, eval_interval=100, final_eval_loss=1.5, data=bench.DATA)  # another seed, alike: kept
@@ -196,12 +202,7 @@ def test_repeat_run_is_the_baselines_command_added_to_measured_seeds(tmp_path, m
         finals = {f"iteration 500{s}": 2.02 for s in ("", " on validation set", " on test set")}
         return "ok", _log(500, lambda i: 1.0, finals)
 
-    monkeypatch.setattr(pretrain, "run", fake_run)
-    monkeypatch.setattr(pretrain, "gpu_facts", lambda: {"device": "H100", "gpu_memory_mib": 81559})
-    monkeypatch.setattr(pretrain, "transformer_engine_version", lambda: None)
-    monkeypatch.setattr(bench.utils, "RESULTS_DIR", tmp_path)
-    monkeypatch.setattr(bench.utils, "environment", lambda device: dict(device))
-    monkeypatch.setattr(bench.torch.cuda, "device_count", lambda: 1)
+    _fake_machine(monkeypatch, tmp_path, fake_run)
     monkeypatch.setattr(bench, "plot", lambda rows, path: None)
     stored = [dict(run=run, base_seed=5, seed=5 + bench.RUNS[run][0], status="ok", data=bench.DATA, iters=500,
                    layers=2, micro_batch_size=2, eval_iters=32, eval_interval=100, final_eval_loss=loss)
