@@ -54,7 +54,7 @@ def make_step(name: str, experts: int, hidden: int, ffn: int, topk: int, tokens:
     """``(step, block)``: one micro-batch of variant ``name`` per ``step()`` (the first says
     ``is_first_microbatch=True``, the others False), router output and gradients fixed. ``BASELINE``: the BF16
     block over the same experts (those of the single-weight block), stepped through ``forward_topk``."""
-    device_splits, graphed, single, recompute = VARIANTS.get(name, (False, False, True, None))
+    device_splits, graphed, single, recompute = VARIANTS["fp8_flow_single_weight" if name == BASELINE else name]
     torch.manual_seed(0)
     block = FP8FlowMoE(experts, hidden, ffn, topk, device=device, device_splits=device_splits,
                        single_grouped_weight=single, fuse_wgrad_accumulation=fuse, recompute=recompute)
