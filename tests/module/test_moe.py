@@ -262,9 +262,10 @@ def test_permute_makes_the_padded_splits_once_as_host_splits():
 @pytest.mark.parametrize("recompute", [None, "moe_expert"])
 def test_the_ids_are_converted_to_a_routing_map_once(monkeypatch, recompute):
     """A forward converts the top-k ids to a routing map once, in the local dispatcher, where the same kernel checks
-    them; the permute takes that map and its layout (``DispatchResult.routing``). ``moe_expert``'s region converts
-    them itself (it keeps the [T, k] ids, not the [T, E] map): once more in the forward and once in the rerun.
-    Results bit for bit those of a block that converts in its permute (a direct ``experts`` call)."""
+    them; the permute takes that map and its layout (``DispatchResult.routing``). ``moe_expert``'s region takes
+    them too in its first pass and converts the ids again in the rerun (it keeps the [T, k] ids, not the [T, E]
+    map, until backward). Results bit for bit those of a block that converts in its permute (a direct ``experts``
+    call)."""
     import transformer_engine_moe.module.moe as moe
     import transformer_engine_moe.ops.permute as permute
 
@@ -276,9 +277,9 @@ def test_the_ids_are_converted_to_a_routing_map_once(monkeypatch, recompute):
     block, _ = pair(recompute=recompute)
     x, ids, probs = batch(11)
     got = step(block, x, ids, probs)
-    assert len(calls) == (1 if recompute is None else 3)
-    # the permute takes the layout the dispatcher queued before its host wait (not moe_expert's region)
-    assert layouts == ([True] if recompute is None else [False, False])
+    assert len(calls) == (1 if recompute is None else 2)
+    # the permute takes the layout the dispatcher queued before its host wait (moe_expert's rerun makes its own)
+    assert layouts == ([True] if recompute is None else [True, False])
     reference = block.experts  # the phases without the dispatch's map: permute converts the ids
     monkeypatch.setattr(block, "routed_experts", lambda h, i, p, n, f, routing: reference(h, i, p, n, f))
     want = step(block, x, ids, probs)
@@ -286,6 +287,30 @@ def test_the_ids_are_converted_to_a_routing_map_once(monkeypatch, recompute):
         assert torch.equal(u, v)
     for us, vs in zip(want[3:5], got[3:5]):
         assert all(torch.equal(u, v) for u, v in zip(us, vs))
+
+
+def test_moe_expert_lets_the_dispatchs_routing_go_after_its_first_pass(monkeypatch):
+    """``moe_expert``'s first pass permutes on the dispatch's routing map and probs ([T, E] each) and keeps neither
+    until backward (the region keeps the [T, k] ids; the rerun converts them again): both are freed when the
+    forward returns, and the backward still runs."""
+    import gc
+    import weakref
+
+    import transformer_engine_moe.module.moe as moe
+
+    seen, real_permute = [], moe.moe_permute_and_pad_with_probs
+    monkeypatch.setattr(moe, "moe_permute_and_pad_with_probs",
+                        lambda x, probs, routing_map, *a, **kw: seen.append((weakref.ref(probs),
+                                                                            weakref.ref(routing_map)))
+                        or real_permute(x, probs, routing_map, *a, **kw))
+    block, _ = pair(recompute="moe_expert")
+    x, ids, probs = batch(12)
+    xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
+    y = block.forward_topk(xi, ids, pi)
+    gc.collect()
+    assert len(seen) == 1 and all(ref() is None for ref in seen[0])
+    y.float().sum().backward()
+    assert len(seen) == 2 and xi.grad is not None and pi.grad is not None
 
 
 @pytest.mark.parametrize("recompute", [None, "moe_expert"])

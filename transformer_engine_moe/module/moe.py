@@ -213,10 +213,11 @@ class FP8FlowMoE(nn.Module):
         saved tensors and fc2's FP8 input, and ends there (checkpoint's early stop): no fc2 GEMM and
         no fc2 weights. fc1 reads the FP8 weights the forward cached (``is_first_microbatch`` True or False)
         or quantizes W alone again (None: the first pass kept no FP8 weight, and fc1's and fc2's backward
-        quantize theirs again; the rerun's own autograd state is dropped). The recompute's region does not take
-        ``routing``: it keeps its inputs until backward, and the ``[R, k]`` ids are smaller than the ``[R, E]`` map
-        and probs, so it converts the ids itself (the dispatch's map and layout then go unused: a few small
-        launches before the host wait, where the GPU is still busy with earlier work)."""
+        quantize theirs again; the rerun's own autograd state is dropped). The region keeps its inputs until
+        backward, the ``[R, k]`` ids rather than the ``[R, E]`` map and probs: its first pass takes ``routing``
+        (no conversion on the host's path after the dispatch's wait) and lets it go; the rerun converts the ids
+        again without recording autograd, its probs a leaf that requires grad, so every op saves what it saved in
+        the first pass (``_rerunnable_mlp``). Without ``routing`` both passes convert the ids."""
         try:
             self.prefetch_fp8_weights(is_first_microbatch)
             if self.recompute != "moe_expert":
@@ -225,25 +226,35 @@ class FP8FlowMoE(nn.Module):
             # no RNG state kept: the experts draw no random numbers, and reading the CUDA generator's state is
             # refused inside a CUDA graph capture (GraphedFP8FlowMoE captures this checkpoint)
             y, row_id_map, pad_offsets = torch.utils.checkpoint.checkpoint(
-                self._rerunnable_mlp(tokens_per_expert, is_first_microbatch), hidden, topk_ids, topk_probs,
+                self._rerunnable_mlp(tokens_per_expert, is_first_microbatch, routing), hidden, topk_ids, topk_probs,
                 use_reentrant=False, preserve_rng_state=False)
         finally:  # weights prefetched for a call that raised are never used later
             self.drop_prefetched_fp8_weights()
         return self._unpermute(y, row_id_map, pad_offsets)
 
-    def _rerunnable_mlp(self, tokens_per_expert, is_first_microbatch):
-        """``_mlp`` as the ``moe_expert`` checkpoint runs it: the first call computes, later ones are reruns."""
-        passes = []
+    def _rerunnable_mlp(self, tokens_per_expert, is_first_microbatch, routing=None):
+        """``_mlp`` as the ``moe_expert`` checkpoint runs it: the first call computes (on ``routing``, the
+        dispatch's map, probs and layout of the ids, when given: dropped after it, not kept to backward), later
+        ones are reruns (on the ids converted again outside autograd: a map and a probs leaf that requires grad,
+        so the ops save what they saved on the dispatch's probs)."""
+        passes, given, convert = [], [routing], routing is not None
 
         def mlp(hidden, topk_ids, topk_probs):
             if not passes:
                 passes.append("first")
-                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch)
+                first_routing, given[0] = given[0], None
+                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch,
+                                 routing=first_routing)
+            rerouted = None
+            if convert:
+                with torch.no_grad():
+                    routing_map, probs = topk_to_routing_map(topk_ids, topk_probs, self.num_local_experts)
+                rerouted = (routing_map, probs.requires_grad_(), None)
             if is_first_microbatch is not None:  # fc1's cached W
-                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, False, rerun=True)
+                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, False, rerun=True, routing=rerouted)
             try:
                 self.linear_fc1.prefetch_fp8_weights(None, transpose=False)
-                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, None, rerun=True)
+                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, None, rerun=True, routing=rerouted)
             finally:
                 self.linear_fc1.drop_prefetched_fp8_weights()
 
