@@ -110,6 +110,16 @@ def _fp8_twin(block: FP8FlowMoE, **kw) -> FP8FlowMoE:
     return twin
 
 
+def _te_block(block: FP8FlowMoE, blockwise: bool = False) -> TEGroupedLinearBlock:
+    """TE's ``GroupedLinear`` block over ``block``'s experts, in BF16 or under TE's blockwise FP8 recipe; refused
+    (ValueError) for a block off the GPU before TE is touched: TE's kernels take GPU memory only (trying them on CPU
+    tensors in a GPU test process was followed by an illegal memory access there)."""
+    device = block.linear_fc1.weight_params[0].device
+    if device.type != "cuda":
+        raise ValueError(f"the te_* blocks need CUDA weights (TransformerEngine runs on the GPU), got {device}")
+    return TEGroupedLinearBlock.from_block(block, float8_block_scaling() if blockwise else None)
+
+
 # Rows over fresh processes: name -> (its FP8 weights step to step, utils.FP8_WEIGHTS; the block, made from the
 # fp8_flow block). BF16 blocks ignore the first; te_* rows are skipped with the reason where TE does not run.
 VARIANTS = {BASELINE: ("uncached", BF16GroupedMMBlock.from_block),
@@ -117,8 +127,8 @@ VARIANTS = {BASELINE: ("uncached", BF16GroupedMMBlock.from_block),
             "fp8_flow_requant": ("requantized", _fp8_twin),
             "fp8_flow+moe_expert": ("cached", lambda block: _fp8_twin(block, recompute="moe_expert")),
             "fp8_flow_per_expert": ("cached", lambda block: _fp8_twin(block, single_grouped_weight=False)),
-            "te_bf16": ("uncached", TEGroupedLinearBlock.from_block),
-            "te_blockwise": ("cached", lambda block: TEGroupedLinearBlock.from_block(block, float8_block_scaling()))}
+            "te_bf16": ("uncached", _te_block),
+            "te_blockwise": ("cached", lambda block: _te_block(block, blockwise=True))}
 OPTIONAL = ("te_bf16", "te_blockwise")
 # The one-process sweep: name -> (the block over the FP8-Flow block's parameters, recompute)
 BLOCKS = {"bf16_loop": (BF16LoopMoE.from_block, None), "blockwise_casts": (BlockwiseCastsMoE.from_block, None),

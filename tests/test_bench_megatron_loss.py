@@ -139,7 +139,9 @@ def test_runs_get_their_extra_environment():
 
 def _fake_machine(monkeypatch, tmp_path, fake_run):
     """``main``'s machine: ``fake_run`` for its runs (``pretrain.run``'s signature), one H100 without TE, equal
-    ports across calls, results under ``tmp_path``."""
+    ports across calls, results under ``tmp_path``; no ``CUDA_VISIBLE_DEVICES`` (a GPU runner's own would move
+    the runs to its devices)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(pretrain, "run", fake_run)
     monkeypatch.setattr(pretrain, "gpu_facts", lambda: {"device": "H100", "gpu_memory_mib": 81559})
     monkeypatch.setattr(pretrain, "transformer_engine_version", lambda: None)

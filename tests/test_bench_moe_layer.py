@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import bench_moe_layer as bench
-from baselines import transformer_engine
 from transformer_engine_moe import FP8FlowMoE
 
 
@@ -73,16 +72,19 @@ def test_weights_modes_of_the_rows():
 def test_the_blocks_of_the_rows_build_and_step_at_toy_size():
     """Each block of the rows over one FP8-Flow block's parameters, stepped in its timed mode: the same
     experts (outputs of the FP8 blocks within FP8 tolerance of the BF16 block's, the twins bitwise the
-    block's with fresh caches), and TE's blocks skipped with the reason when TE does not import."""
+    block's with fresh caches), and TE's blocks skipped with the reason: on CPU tensors they are refused before
+    TE is touched (on a GPU runner with TE installed, trying them on these CPU tensors was followed by an illegal
+    memory access that failed every later CUDA test of the process)."""
     torch.manual_seed(0)
     block = FP8FlowMoE(4, 128, 128, 2, single_grouped_weight=True)  # the rows' layout
     x = torch.randn(32, 128, dtype=torch.bfloat16, requires_grad=True)
     probs, ids = torch.softmax(torch.randn(32, 4), -1).topk(2)
     data = (x, ids, probs, torch.randn(32, 128, dtype=torch.bfloat16))
     steps, skipped = bench.build_variants(list(bench.VARIANTS), block, data, warmup=2, sync=lambda: None)
-    te, why = transformer_engine()
     assert set(steps) | set(skipped) == set(bench.VARIANTS)
-    assert set(skipped) == (set() if te else set(bench.OPTIONAL)) and all(why in r for r in skipped.values())
+    assert set(skipped) == set(bench.OPTIONAL)
+    assert all(r.startswith("ValueError") and "need CUDA weights" in r and r.endswith("got cpu")
+               for r in skipped.values())
     outs = {}
     for name, (_, make) in bench.VARIANTS.items():
         if name in steps:
