@@ -135,14 +135,16 @@ def test_phases_equal_forward_at_expert_parallel_2(tmp_path):
 
 def test_moe_expert_recompute_wraps_the_experts_phase(world_of_one, monkeypatch):
     """routed_experts_compute runs the block's expert MLP twice (forward, then the moe_expert rerun in
-    backward), the rerun reusing the FP8 weights the forward cached; the forward on the dispatch's routing, the
-    rerun on the ids converted again (no layout: its permute lays the map out)."""
+    backward), the rerun reusing the FP8 weights the forward cached; both on the dispatch's map and layout, the
+    rerun with the probs made again from the ids (the forward's are not kept)."""
     layer = _layer(_config(**OPTIONS["moe_expert"]))
     calls, mlp = [], layer.experts._mlp
     monkeypatch.setattr(layer.experts, "_mlp", lambda *a, **kw: calls.append((a[-1], kw)) or mlp(*a, **kw))
     _run(layer, torch.randn(32, 2, 128), torch.randn(32, 2, 128), _phases)
     assert [(first, sorted(kw)) for first, kw in calls] == [(True, ["routing"]), (False, ["rerun", "routing"])]
-    assert calls[0][1]["routing"][2] is not None and calls[1][1]["rerun"] and calls[1][1]["routing"][2] is None
+    (map, probs, layout), (rmap, rprobs, rlayout) = calls[0][1]["routing"], calls[1][1]["routing"]
+    assert layout is not None and rlayout is layout and rmap is map and rprobs is not probs and calls[1][1]["rerun"]
+    assert torch.equal(rprobs, probs)
 
 
 def test_the_experts_phase_takes_the_dispatch_routing_for_its_tokens(world_of_one, monkeypatch):

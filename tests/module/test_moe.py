@@ -263,23 +263,27 @@ def test_permute_makes_the_padded_splits_once_as_host_splits():
 def test_the_ids_are_converted_to_a_routing_map_once(monkeypatch, recompute):
     """A forward converts the top-k ids to a routing map once, in the local dispatcher, where the same kernel checks
     them; the permute takes that map and its layout (``DispatchResult.routing``). ``moe_expert``'s region takes
-    them too in its first pass and converts the ids again in the rerun (it keeps the [T, k] ids, not the [T, E]
-    map, until backward). Results bit for bit those of a block that converts in its permute (a direct ``experts``
-    call)."""
+    them too in its first pass, and its rerun permutes on the same map and layout with the probs made again from
+    the ids, unchecked (``checked_topk_probs``: no second map, layout or check). Results bit for bit those of a
+    block that converts in its permute (a direct ``experts`` call)."""
     import transformer_engine_moe.module.moe as moe
     import transformer_engine_moe.ops.permute as permute
 
-    calls, layouts = [], []
-    real, real_permute = permute._TopkRouting.apply, moe.moe_permute_and_pad_with_probs
+    calls, layouts, maps, reprobs = [], [], [], []
+    real, real_permute, real_probs = permute._TopkRouting.apply, moe.moe_permute_and_pad_with_probs, \
+        moe.checked_topk_probs
     monkeypatch.setattr(permute._TopkRouting, "apply", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(moe, "checked_topk_probs", lambda *a: reprobs.append(1) or real_probs(*a))
     monkeypatch.setattr(moe, "moe_permute_and_pad_with_probs",
-                        lambda *a, **kw: layouts.append(kw["layout"] is not None) or real_permute(*a, **kw))
+                        lambda x, p, m, *a, **kw: layouts.append(kw["layout"]) or maps.append(m)
+                        or real_permute(x, p, m, *a, **kw))
     block, _ = pair(recompute=recompute)
     x, ids, probs = batch(11)
     got = step(block, x, ids, probs)
-    assert len(calls) == (1 if recompute is None else 2)
-    # the permute takes the layout the dispatcher queued before its host wait (moe_expert's rerun makes its own)
-    assert layouts == ([True] if recompute is None else [True, False])
+    assert len(calls) == 1 and len(reprobs) == (0 if recompute is None else 1)
+    # the permute takes the layout the dispatcher queued before its host wait, moe_expert's rerun the same one
+    assert len(layouts) == (1 if recompute is None else 2) and layouts[0] is not None
+    assert all(lay is layouts[0] for lay in layouts) and all(m is layouts[0].routing_map for m in maps)
     reference = block.experts  # the phases without the dispatch's map: permute converts the ids
     monkeypatch.setattr(block, "routed_experts", lambda h, i, p, n, f, routing: reference(h, i, p, n, f))
     want = step(block, x, ids, probs)
@@ -289,10 +293,11 @@ def test_the_ids_are_converted_to_a_routing_map_once(monkeypatch, recompute):
         assert all(torch.equal(u, v) for u, v in zip(us, vs))
 
 
-def test_moe_expert_lets_the_dispatchs_routing_go_after_its_first_pass(monkeypatch):
-    """``moe_expert``'s first pass permutes on the dispatch's routing map and probs ([T, E] each) and keeps neither
-    until backward (the region keeps the [T, k] ids; the rerun converts them again): both are freed when the
-    forward returns, and the backward still runs."""
+def test_moe_expert_lets_the_dispatchs_probs_go_after_its_first_pass(monkeypatch):
+    """``moe_expert``'s first pass permutes on the dispatch's routing map and probs ([T, E] each) and keeps the
+    probs not until backward (the region keeps the [T, k] ids and probs; the rerun makes the [T, E] probs again):
+    they are freed when the forward returns; the map (bool, with its layout, whose row map unpermute keeps) lives
+    to the rerun, which permutes on it, and is freed after the backward."""
     import gc
     import weakref
 
@@ -308,9 +313,11 @@ def test_moe_expert_lets_the_dispatchs_routing_go_after_its_first_pass(monkeypat
     xi, pi = x.clone().requires_grad_(), probs.clone().requires_grad_()
     y = block.forward_topk(xi, ids, pi)
     gc.collect()
-    assert len(seen) == 1 and all(ref() is None for ref in seen[0])
+    assert len(seen) == 1 and seen[0][0]() is None and seen[0][1]() is not None
     y.float().sum().backward()
-    assert len(seen) == 2 and xi.grad is not None and pi.grad is not None
+    del y
+    gc.collect()
+    assert len(seen) == 2 and seen[1][1]() is seen[0][1]() is None and xi.grad is not None and pi.grad is not None
 
 
 @pytest.mark.parametrize("recompute", [None, "moe_expert"])

@@ -46,6 +46,7 @@ from ..dispatch import get_dispatcher
 from ..dispatch.base import check_ep_group
 from ..layout import HostSplits
 from ..ops.permute import (
+    checked_topk_probs,
     moe_permute_and_pad_with_probs,
     moe_unpermute,
     routing_map_to_topk,
@@ -214,10 +215,10 @@ class FP8FlowMoE(nn.Module):
         no fc2 weights. fc1 reads the FP8 weights the forward cached (``is_first_microbatch`` True or False)
         or quantizes W alone again (None: the first pass kept no FP8 weight, and fc1's and fc2's backward
         quantize theirs again; the rerun's own autograd state is dropped). The region keeps its inputs until
-        backward, the ``[R, k]`` ids rather than the ``[R, E]`` map and probs: its first pass takes ``routing``
-        (no conversion on the host's path after the dispatch's wait) and lets it go; the rerun converts the ids
-        again without recording autograd, its probs a leaf that requires grad, so every op saves what it saved in
-        the first pass (``_rerunnable_mlp``). Without ``routing`` both passes convert the ids."""
+        backward, the ``[R, k]`` ids and probs rather than the ``[R, E]`` probs: its first pass takes ``routing``
+        (no conversion on the host's path after the dispatch's wait) and lets its probs go; the rerun makes them
+        again from the ids, on the dispatch's map and layout where it laid one out (``_rerunnable_mlp``). Without
+        ``routing`` both passes convert the ids."""
         try:
             self.prefetch_fp8_weights(is_first_microbatch)
             if self.recompute != "moe_expert":
@@ -234,10 +235,16 @@ class FP8FlowMoE(nn.Module):
 
     def _rerunnable_mlp(self, tokens_per_expert, is_first_microbatch, routing=None):
         """``_mlp`` as the ``moe_expert`` checkpoint runs it: the first call computes (on ``routing``, the
-        dispatch's map, probs and layout of the ids, when given: dropped after it, not kept to backward), later
-        ones are reruns (on the ids converted again outside autograd: a map and a probs leaf that requires grad,
-        so the ops save what they saved on the dispatch's probs)."""
-        passes, given, convert = [], [routing], routing is not None
+        dispatch's map, probs and layout of the ids, when given), later ones are reruns. The ``[R, E]`` probs are
+        let go after the first pass. A layout (the local dispatcher's) is kept to the rerun with its map (bool
+        ``[R, E]``; its ``row_id_map`` is unpermute's, kept anyway): the rerun makes only the probs again
+        (``checked_topk_probs``: the ids were checked in the dispatch), not the map, its layout and the counts'
+        check (about 12 launches). Without a layout the rerun converts the ids again (map and probs, checked).
+        Either way outside autograd, the probs a leaf that requires grad, so the ops save what they saved on the
+        dispatch's probs."""
+        passes, given = [], [routing]  # the closure holds neither ``routing`` nor its probs past the first pass
+        layout = routing[2] if routing is not None else None
+        convert = routing is not None and layout is None
 
         def mlp(hidden, topk_ids, topk_probs):
             if not passes:
@@ -246,7 +253,10 @@ class FP8FlowMoE(nn.Module):
                 return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch,
                                  routing=first_routing)
             rerouted = None
-            if convert:
+            if layout is not None:
+                probs = checked_topk_probs(topk_ids, topk_probs, self.num_local_experts)
+                rerouted = (layout.routing_map, probs.requires_grad_(), layout)
+            elif convert:
                 with torch.no_grad():
                     routing_map, probs = topk_to_routing_map(topk_ids, topk_probs, self.num_local_experts)
                 rerouted = (routing_map, probs.requires_grad_(), None)

@@ -595,6 +595,16 @@ def checked_topk_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num
     return routing_map, probs
 
 
+def checked_topk_probs(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, backend: str = "auto"):
+    """``probs [T, E]`` of ``checked_topk_routing`` for ids it checked already, bit for bit (the same kernel),
+    without its device-side checks and without autograd: the ``moe_expert`` rerun's probs of the ids its forward's
+    dispatch checked (the checkpoint's saved inputs refuse ids written in place since). The kernel never writes
+    out of bounds; the probs of ids that were never checked mean nothing."""
+    with torch.no_grad():
+        return implementation(backend, topk_idx, "topk_to_routing_map").topk_routing(topk_idx, topk_weights,
+                                                                                     num_experts)[1]
+
+
 def routing_map_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int):
     """Megatron's router output -> DeepEP's format: ``probs [T, E]`` float, ``routing_map [T, E]`` bool
     (at most ``topk`` experts per token) -> ``(topk_idx [T, topk] int64, -1 for unused slots; topk_weights
