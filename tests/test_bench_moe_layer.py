@@ -20,7 +20,7 @@ def test_shapes():
 
 def test_arguments_default_to_the_shape():
     q = bench.parse_args(["--shape", "qwen3_moe_like"])
-    assert (q.experts, q.processes, q.profile) == ([128], 3, [])
+    assert (q.experts, q.processes, q.profile, q.priming_processes) == ([128], 3, [], 1)
     d = bench.parse_args([])
     assert (d.shape, d.experts, d.processes) == ("deepseek_v3", [8, 32, 64, 128], 0)
     alone = bench.parse_args(["--shape", "qwen3_moe_like", "--experts", "--profile"])  # the profile alone
@@ -31,6 +31,7 @@ def test_arguments_default_to_the_shape():
 @pytest.mark.parametrize("argv, message", [
     (["--shape", "qwen3"], "invalid choice"), (["--experts", "4"], "top-8"), (["--profile", "2"], "top-8"),
     (["--processes", "-1"], "--processes must be >= 0"), (["--rounds", "0"], "--rounds must be >= 1"),
+    (["--priming-processes", "-1"], "--priming-processes must be >= 0, got -1"),
     (["--calls", "0"], "--calls must be >= 1"), (["--warmup", "0"], "--warmup must be >= 1")])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -41,6 +42,14 @@ def test_bad_arguments_are_refused(argv, message, capsys):
 def _process(ms: dict, skipped=None, rounds=None):
     return {"experts": {"128": dict(ms=ms, rounds_ms=rounds or {n: [v, v] for n, v in ms.items()},
                                     host_ms={n: 1.0 for n in ms}, skipped=skipped or {})}, "gpu_state": [{}, {}]}
+
+
+def test_priming_processes_are_left_out_of_the_rows():
+    """The priming processes' speedups per block, kept apart (``main`` passes the rest to ``process_rows``)."""
+    priming = [_process({"bf16_grouped_mm": 15.0, "fp8_flow": 12.0})]
+    assert bench.priming_speedups("qwen3_moe_like", priming) == {
+        "128": {"bf16_grouped_mm": [1.0], "fp8_flow": [1.25]}}
+    assert bench.priming_speedups("qwen3_moe_like", []) == {}
 
 
 def test_rows_over_processes():
