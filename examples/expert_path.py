@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-_NAMES = {"deepgemm": "DeepGEMM", "cublas": "cuBLAS", "triton": "Triton"}
+_NAMES = {"deepgemm": "DeepGEMM", "cublas": "cuBLAS", "gluon": "Gluon (N a multiple of 256)", "triton": "Triton"}
 CPU_PATH = ("the plain-PyTorch reference ops (quantize, permute, SwiGLU, grouped GEMMs in float32): the CPU "
             "path that checks correctness, not the GPU kernels")
 
@@ -23,13 +23,15 @@ def gemm_backends(device: torch.device, backend: str = "auto") -> str:
         return CPU_PATH if backend in ("auto", "reference") else f"grouped GEMMs {backend!r} on {device}"
     if backend != "auto":
         return f"Triton kernels; grouped GEMMs {backend!r}"
-    from transformer_engine_moe.kernels import cublaslt, grouped_gemm_deepgemm
+    from transformer_engine_moe.kernels import cublaslt, grouped_gemm_deepgemm, grouped_gemm_gluon
     from transformer_engine_moe.ops.grouped_gemm import AUTO_ORDER, CUBLAS_MIN_MEAN_ROWS, CUBLAS_MIN_WEIGHT
 
     deepgemm, lt = grouped_gemm_deepgemm.available(device), cublaslt.available(device)
+    gluon = grouped_gemm_gluon.available(device)
     kinds = []
     for kind, label in (("fprop", "fprop/dgrad"), ("wgrad", "wgrad"), ("wgrad_accumulate", "wgrad into main_grad")):
-        order = [n for n in AUTO_ORDER[kind] if (n != "deepgemm" or deepgemm) and (n != "cublas" or lt)]
+        order = [n for n in AUTO_ORDER[kind] if (n != "deepgemm" or deepgemm) and (n != "cublas" or lt)
+                 and (n != "gluon" or gluon)]
         names = dict(_NAMES, deepgemm="DeepGEMM (main_grad as one [G, N, K])") if kind == "wgrad_accumulate" else _NAMES
         kinds.append(f"{label} " + " > ".join(
             _cublas(CUBLAS_MIN_MEAN_ROWS[kind], CUBLAS_MIN_WEIGHT) if n == "cublas" else names[n] for n in order))

@@ -58,10 +58,11 @@ def relerr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equality of two float32 tensors, NaN included (``torch.equal`` says NaN != NaN): scales,
-    where a block holding +-inf has scale_inv NaN."""
-    return a.shape == b.shape and a.dtype == b.dtype == torch.float32 and torch.equal(
-        a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+    """Bitwise equality of two tensors of one shape and dtype, NaN included (``torch.equal`` says NaN != NaN):
+    scales, where a block holding +-inf has scale_inv NaN; GEMM outputs of rows holding a NaN."""
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(bits),
+                                                                      b.contiguous().view(bits))
 
 
 def assert_no_host_sync(step) -> None:

@@ -24,7 +24,7 @@ def _params(fn):
     return list(inspect.signature(fn).parameters.values())
 
 
-@pytest.mark.parametrize("column", ["triton", "cublas", "deepgemm"])
+@pytest.mark.parametrize("column", ["triton", "cublas", "deepgemm", "gluon"])
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_every_column_has_the_reference_signature(column, launcher):
     """A kernel takes the reference's parameters, in order, with the same defaults; extra ones (``config``,

@@ -4,7 +4,8 @@ Every raw-tensor launcher has one name and one signature in ``reference/<op>.py`
 the oracle) and in ``kernels/<op>.py`` (Triton; a kernel may add keyword arguments with defaults,
 e.g. ``config`` for benchmark sweeps). ``Implementation`` holds one column of that table:
 ``REFERENCE`` and ``TRITON``, and for the grouped GEMMs ``CUBLAS`` and ``DEEPGEMM`` (``TRITON``'s
-launchers with those libraries' GEMMs; ``ops/grouped_gemm.py`` picks among them per call). An op
+launchers with those libraries' GEMMs) and ``GLUON`` (``TRITON``'s with the Gluon fprop/dgrad kernel, whose twin is
+Triton's; ``ops/grouped_gemm.py`` picks among them per call). An op
 resolves its implementation once per call, with ``implementation(backend, tensor, op_name)``, and its
 autograd Function keeps it on ``ctx`` for backward. The tensor type reaches its launchers through
 this table too, never through ``ops/``. Every launcher is also a ``torch.library`` custom op, which
@@ -73,9 +74,10 @@ REFERENCE = _column("reference", quantize=rq, dequantize=rd, transpose=rt, permu
 TRITON: Optional[Implementation] = None
 CUBLAS: Optional[Implementation] = None
 DEEPGEMM: Optional[Implementation] = None
+GLUON: Optional[Implementation] = None
 try:
     from .kernels import dequantize as kd, grouped_gemm as kg, permute as kp, quantize as kq, swiglu as ks
-    from .kernels import grouped_gemm_cublas, grouped_gemm_deepgemm, transpose as kt
+    from .kernels import grouped_gemm_cublas, grouped_gemm_deepgemm, grouped_gemm_gluon, transpose as kt
 except ModuleNotFoundError as err:  # Triton absent: the reference path only
     if err.name != "triton":
         raise
@@ -88,8 +90,11 @@ else:
         TRITON, name=name, grouped_gemm=launcher_op("grouped_gemm", name, module.grouped_gemm),
         grouped_gemm_wgrad=launcher_op("grouped_gemm_wgrad", name, module.grouped_gemm_wgrad))
         for name, module in (("cublas", grouped_gemm_cublas), ("deepgemm", grouped_gemm_deepgemm)))
+    # fprop/dgrad only: the wgrad stays Triton's
+    GLUON = dataclasses.replace(TRITON, name="gluon",
+                                grouped_gemm=launcher_op("grouped_gemm", "gluon", grouped_gemm_gluon.grouped_gemm))
 
-IMPLEMENTATIONS = {impl.name: impl for impl in (REFERENCE, TRITON, CUBLAS, DEEPGEMM) if impl is not None}
+IMPLEMENTATIONS = {impl.name: impl for impl in (REFERENCE, TRITON, CUBLAS, DEEPGEMM, GLUON) if impl is not None}
 
 
 def use_triton(backend: str, tensor: torch.Tensor, op_name: str) -> bool:

@@ -188,18 +188,21 @@ def test_megatron_result_times_the_iterations_after_the_warm_up():
 
 
 def test_gemm_backends_on_cpu_and_gpu(monkeypatch):
-    from transformer_engine_moe.kernels import cublaslt, grouped_gemm_deepgemm
+    from transformer_engine_moe.kernels import cublaslt, grouped_gemm_deepgemm, grouped_gemm_gluon
 
     assert gemm_backends(torch.device("cpu")) == CPU_PATH
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(grouped_gemm_deepgemm, "available", lambda device: True)
     monkeypatch.setattr(cublaslt, "available", lambda device: True)
+    monkeypatch.setattr(grouped_gemm_gluon, "available", lambda device: True)
     assert gemm_backends(cuda) == (
         "Triton kernels; grouped GEMMs 'auto', per call the first that can run it: fprop/dgrad DeepGEMM > cuBLAS "
-        "(experts of >= 2048 rows and >= 2048 x 14.7M multiply-adds) > Triton; wgrad cuBLAS (experts of >= 512 "
+        "(experts of >= 2048 rows and >= 2048 x 14.7M multiply-adds) > Gluon (N a multiple of 256) > Triton; wgrad "
+        "cuBLAS (experts of >= 512 "
         "rows and >= 512 x 14.7M multiply-adds) > Triton; wgrad into main_grad cuBLAS (experts of >= 512 rows and "
         ">= 512 x 14.7M multiply-adds) > DeepGEMM (main_grad as one [G, N, K]) > Triton")
     monkeypatch.setattr(grouped_gemm_deepgemm, "available", lambda device: False)
+    monkeypatch.setattr(grouped_gemm_gluon, "available", lambda device: False)
     text = gemm_backends(cuda)
     assert "fprop/dgrad cuBLAS (experts of >= 2048 rows and >= 2048 x 14.7M multiply-adds) > Triton" in text and "DeepGEMM not importable" in text
     monkeypatch.setattr(cublaslt, "available", lambda device: False)

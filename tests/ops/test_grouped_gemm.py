@@ -2,11 +2,13 @@
 reference on dequantized operands; ragged and empty groups; list vs tensor splits; bad inputs (the weights' byte
 transpose: test_transpose.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from conftest import CUDA, KERNEL_DEVICE, relerr, requires_cuda
-from transformer_engine_moe import quantize_blockwise, scaling_aware_transpose
+from transformer_engine_moe import quantize_blockwise, quantize_grouped_weight, scaling_aware_transpose
 from transformer_engine_moe.ops.grouped_gemm import (CUBLAS_MIN_WEIGHT, GemmCall, _impl, auto_backend, cublas_pays,
                                                      grouped_gemm, grouped_gemm_wgrad, stacked_view, why_not)
 from transformer_engine_moe.ops.transpose import transpose_grouped_weight
@@ -374,6 +376,42 @@ def test_auto_policy_per_shape(monkeypatch, deepgemm):
     splits = torch.tensor(QWEN_SPLITS)
     assert pick("fprop", splits, V3_FC1) == dg_or("triton") and pick("wgrad", splits, V3_FC1) == "triton"
     assert auto_backend(GemmCall("fprop", E4M3, E4M3, QWEN_SPLITS, bf16, QWEN_FC1, cuda=False)) is None
+
+
+@pytest.mark.parametrize("deepgemm", [True, False], ids=["with-deepgemm", "without-deepgemm"])
+def test_auto_policy_takes_gluon_before_triton(monkeypatch, deepgemm):
+    """Where the Gluon kernel runs (a Hopper GPU under Triton 3.6: ``GemmCall.gluon``), fprop/dgrad that would have
+    gone to Triton go to it when N is a multiple of 256 (its tile), DeepGEMM and cuBLAS keeping their calls; its
+    wgrad is Triton's, so wgrads are unchanged; a backend='gluon' call it cannot take says why."""
+    from transformer_engine_moe.kernels import grouped_gemm_deepgemm
+
+    monkeypatch.setattr(grouped_gemm_deepgemm, "alignment", lambda: 128)
+    bf16 = torch.bfloat16
+
+    def pick(kind, splits, weight, n, a=E4M3, **kw):
+        return auto_backend(GemmCall(kind, a, E4M3, splits, bf16, weight, deepgemm=deepgemm, cublaslt=True,
+                                     gluon=True, n=n, **kw))
+
+    dg_or = lambda other: "deepgemm" if deepgemm else other  # noqa: E731
+    assert pick("fprop", QWEN_SPLITS, QWEN_FC1, 1536) == dg_or("gluon")
+    assert pick("fprop", torch.tensor(QWEN_SPLITS), V3_FC1, 4096) == dg_or("gluon")  # device splits (graphs)
+    assert pick("fprop", [2048] * 64, V3_FC2, 7168) == dg_or("cublas")
+    assert pick("fprop", QWEN_SPLITS, QWEN_FC2, 2048, a=E5M2) == "gluon"  # HYBRID's dgrad: never DeepGEMM
+    assert pick("fprop", QWEN_SPLITS, 1408 * 2048, 1408) == dg_or("triton")  # N not a multiple of 256
+    assert pick("wgrad", QWEN_SPLITS, QWEN_FC1, 1536) == "triton"
+    no = GemmCall("fprop", E4M3, E4M3, QWEN_SPLITS, bf16, QWEN_FC1, n=1408, gluon=True)
+    assert why_not("gluon", no) == "it needs FP8 operands and N a multiple of 256, got N=1408"
+    assert why_not("gluon", dataclasses.replace(no, gluon=False, n=1536)).startswith(
+        "it needs a Hopper (SM90) GPU and Triton 3.6")
+    assert why_not("gluon", dataclasses.replace(no, cuda=False)) == "it needs CUDA tensors"
+
+
+def test_gluon_backend_refuses_cpu_tensors_by_name():
+    """``backend="gluon"`` on CPU tensors: a ValueError naming the backend and why (no Gluon interpreter)."""
+    x = quantize_blockwise(torch.randn(256, 256))
+    w, _ = quantize_grouped_weight([torch.randn(256, 256) for _ in range(2)])
+    with pytest.raises(ValueError, match="backend='gluon' cannot run this call: it needs CUDA tensors"):
+        grouped_gemm(x, w, [128, 128], backend="gluon")
 
 
 def test_cublas_refusals_name_what_it_needs():

@@ -13,6 +13,9 @@ each, same signatures):
   dim), wgrad groups of multiples of 128 rows, see ``kernels/grouped_gemm_cublas.py``.
 - ``"triton"``: one launch per GEMM over all experts; group sizes read on the
   device (``m_splits`` may be a device tensor: no host sync, CUDA-graph safe); any sizes.
+- ``"gluon"`` (``kernels/grouped_gemm_gluon.py``, Hopper under Triton 3.6): fprop/dgrad as ``"triton"`` (one
+  launch, host or device splits, bitwise the same output) on a warp-specialized Gluon kernel, N a multiple of 256;
+  its wgrad is Triton's.
 
 Every backend takes a trailing weightless group (``m_splits`` with one group more than the weight
 has experts): fprop/dgrad write zeros there without computing them, wgrad (``num_groups``) never
@@ -46,7 +49,7 @@ from ..layout import HostSplits, MSplits, check_m_splits
 from ..recipe import check_bool
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 
-GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "triton", "reference")
+GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "gluon", "triton", "reference")
 # "auto"'s preference on the GPU, per GEMM kind: the first backend that can run the call. Measured at
 # DeepSeek-V3 expert shapes, 512 to 16384 rows per expert (H100, docs/grouped_gemm.md): DeepGEMM leads
 # fprop/dgrad (1.09-1.31 PFLOP/s); for a wgrad written in BF16 DeepGEMM has to zero, accumulate and cast a
@@ -54,7 +57,10 @@ GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "triton", "reference")
 # (538-940 against DeepGEMM's 174-911); a wgrad added into float32 (Megatron's main_grad) is cuBLASLt's
 # beta = 1 (522 / 517 at 1024 rows, 784 / 763 at 2048, fc1 / fc2) ahead of DeepGEMM's C = D (377 / 385,
 # 768 / 739) and Triton's (389 / 384, 542 / 487), and it also runs on G separate main_grads (Megatron's DDP).
-AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "triton"), "wgrad": ("cublas", "triton"),
+# Gluon's fprop/dgrad before Triton's: 1004-1013 TFLOP/s against 789-791 at DeepSeek-V3's 7168 -> 4096, 850 against
+# 711 at 2048 -> 7168, 830 / 551 against 689 / 500 at Qwen3's 2048 -> 1536 / 768 -> 2048 (H200, same call; DeepGEMM
+# 1058-1211 in it, docs/grouped_gemm.md).
+AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "gluon", "triton"), "wgrad": ("cublas", "triton"),
               "wgrad_accumulate": ("cublas", "deepgemm", "triton")}
 # "auto" takes cuBLAS only for experts this large on average: below it, its one launch per expert costs
 # more host time than GPU time (all three GEMMs on cuBLAS, 128 experts of ~512 rows: 89 ms step for 65 ms
@@ -85,7 +91,8 @@ class GemmCall:
     written, "wgrad_accumulate" added into float32 ``out``); the operands' FP8 dtypes (the first: X, dY or dY^T);
     ``m_splits`` (host list or device tensor); the output dtype; ``weight_elements``: N x K of one expert's weight
     (``cublas_pays``); ``out_list``: a wgrad's ``out`` is G separate tensors; ``cuda``: the operands are on a GPU,
-    where ``deepgemm`` (importable, Hopper) and ``cublaslt`` (>= 12.9, Hopper) can run or not."""
+    where ``deepgemm`` (importable, Hopper), ``cublaslt`` (>= 12.9, Hopper) and ``gluon`` (Hopper, Triton 3.6) can
+    run or not; ``n``: the output's columns (the Gluon kernel's tiles are 256 wide)."""
 
     kind: str
     a_dtype: torch.dtype
@@ -97,13 +104,25 @@ class GemmCall:
     cuda: bool = True
     deepgemm: bool = False
     cublaslt: bool = False
+    gluon: bool = False
+    n: int = 0
 
     @classmethod
     def of(cls, kind: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, out_dtype: torch.dtype,
-           weight_elements: int = 0, out_list: bool = False) -> "GemmCall":
+           weight_elements: int = 0, out_list: bool = False, n: int = 0) -> "GemmCall":
         """The call on ``a`` (the first operand's FP8 data) and its device."""
         return cls(kind, a.dtype, b_dtype, m_splits, out_dtype, weight_elements, out_list, a.is_cuda,
-                   a.is_cuda and deepgemm.available(a.device), a.is_cuda and cublaslt.available(a.device))
+                   a.is_cuda and deepgemm.available(a.device), a.is_cuda and cublaslt.available(a.device),
+                   a.is_cuda and _gluon() is not None and _gluon().available(a.device), n)
+
+
+def _gluon():
+    """``kernels.grouped_gemm_gluon`` where Triton is installed (its column in ``IMPLEMENTATIONS``), else None."""
+    if "gluon" not in IMPLEMENTATIONS:
+        return None
+    from ..kernels import grouped_gemm_gluon
+
+    return grouped_gemm_gluon
 
 
 def why_not(backend: str, call: GemmCall) -> Optional[str]:
@@ -115,6 +134,13 @@ def why_not(backend: str, call: GemmCall) -> Optional[str]:
     if not call.cuda:
         return "it needs CUDA tensors"
     wgrad = call.kind != "fprop"
+    if backend == "gluon":
+        if wgrad:
+            return None  # Triton's wgrad
+        if not call.gluon:
+            return "it needs a Hopper (SM90) GPU and Triton 3.6 (the Gluon API it is written against)"
+        return None if _gluon().supports(call.a_dtype, call.b_dtype, call.n, call.out_dtype) else (
+            f"it needs FP8 operands and N a multiple of {_gluon().BLOCK_N}, got N={call.n}")
     if backend == "deepgemm":
         if not call.deepgemm:
             return "DeepGEMM is not installed or the GPU is not a Hopper (SM90)"
@@ -153,7 +179,7 @@ def _impl(backend: str, call: GemmCall, a: torch.Tensor, op: str) -> Implementat
     """The implementation running ``op`` (``call`` on the operands, ``a`` the first one's FP8 data)."""
     if backend not in GEMM_BACKENDS:
         raise ValueError(f"{op}: backend must be one of {GEMM_BACKENDS}, got {backend!r}")
-    if backend in ("deepgemm", "cublas"):
+    if backend in ("deepgemm", "cublas", "gluon"):
         if backend == "deepgemm" and deepgemm._module() is None:
             raise deepgemm.import_error()
         why = why_not(backend, call)
@@ -236,7 +262,8 @@ def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"out_dtype must be bf16/fp16/fp32, got {out_dtype}")
     m_splits, _ = _check_splits(m_splits, inp.shape[0], weight.shape[0], a.device)
-    call = GemmCall.of("fprop", a, b.dtype, m_splits, out_dtype, weight_elements=weight.shape[1] * weight.shape[2])
+    call = GemmCall.of("fprop", a, b.dtype, m_splits, out_dtype, weight_elements=weight.shape[1] * weight.shape[2],
+                       n=weight.shape[1])
     return _run(backend, call, a, "grouped_gemm",
                 lambda impl: impl.grouped_gemm(a, a_scale, b, b_scale, m_splits, out_dtype))
 
