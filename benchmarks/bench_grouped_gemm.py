@@ -21,11 +21,13 @@ waits on the host. Ops:
 
 Backends: ``deepgemm`` (when installed), ``cublas`` (one cuBLAS GEMM per expert: ``torch._scaled_mm`` for
 fprop/dgrad, cuBLASLt itself for wgrad), ``triton``
-(device-tensor splits, no host sync), and ``bf16`` (``torch._grouped_mm``). Every FP8 output is checked
-against the float32 reference before it is timed. ``auto`` marks the backend ``ops.grouped_gemm`` picks.
+(device-tensor splits, no host sync), ``gluon`` (fprop/dgrad on the Gluon kernel, device-tensor splits; Hopper
+under Triton 3.6; its wgrad is Triton's, so no wgrad rows) and ``bf16`` (``torch._grouped_mm``). Every FP8 output
+is checked against the float32 reference before it is timed. ``auto`` marks the backend ``ops.grouped_gemm`` picks.
 
 Run on a GPU: ``python benchmarks/bench_grouped_gemm.py [--shape qwen3_moe_like] [--rows 512 1024 ...] [--ops ...]
-[--backends deepgemm cublas triton bf16] [--sweep] [--suffix _h200]`` (results ``bench_grouped_gemm{_<shape>}{suffix}``;
+[--backends deepgemm cublas gluon triton bf16] [--sweep] [--suffix _h200]``
+(results ``bench_grouped_gemm{_<shape>}{suffix}``;
 DeepGEMM compiles each new shape's kernels on first use, tens of seconds).
 """
 
@@ -45,7 +47,7 @@ import utils
 TOTAL_ROWS, MAX_EXPERTS = 131072, 128
 SHAPES = {"deepseek_v3": {"fc1": (4096, 7168), "fc2": (7168, 2048)},  # (N, K) of each expert GEMM
           "qwen3_moe_like": {"fc1": (1536, 2048), "fc2": (2048, 768)}}
-FP8_BACKENDS = ("deepgemm", "cublas", "triton")
+FP8_BACKENDS = ("deepgemm", "cublas", "gluon", "triton")
 
 
 def relerr(a, b):
@@ -74,8 +76,8 @@ def operands(e, m, n, k, device="cuda"):
 
 
 def calls(o, backend):
-    """The four GEMMs on ``backend`` (host splits; Triton's on the device tensor)."""
-    s, t = (o["st"], "_st") if backend == "triton" else (o["splits"], "")
+    """The GEMMs on ``backend`` (host splits; Triton's and Gluon's on the device tensor)."""
+    s, t = (o["st"], "_st") if backend in ("triton", "gluon") else (o["splits"], "")
     dyt, xt = o["dyt" + t], o["xt" + t]
     return {
         "fprop": lambda: grouped_gemm(o["xq"], o["w"], s, backend=backend),
@@ -116,7 +118,7 @@ def auto_backend(o, op, n, k) -> str:
     out = torch.bfloat16 if op in ("fprop", "dgrad", "wgrad") else torch.float32
     kind = ("wgrad_accumulate" if op.startswith("wgrad_main_grad") else "wgrad") if wgrad else "fprop"
     call = GemmCall.of(kind, a, torch.float8_e4m3fn, o["splits"], out, weight_elements=n * k,
-                       out_list=op == "wgrad_main_grad_reversed")
+                       out_list=op == "wgrad_main_grad_reversed", n=n if op == "fprop" else k)
     return _impl("auto", call, a, op).name
 
 
@@ -131,7 +133,7 @@ def run(rows_per_expert, gemm, ops, shape="deepseek_v3", backends=FP8_BACKENDS +
     for backend in backends:
         fns = bf16_calls(o) if backend == "bf16" else calls(o, backend)
         for op, fn in fns.items():
-            if op not in ops:
+            if op not in ops or backend == "gluon" and op.startswith("wgrad"):  # Gluon's wgrad is Triton's
                 continue
             row = dict(shape=shape, rows_per_expert=rows_per_expert, experts=e, gemm=gemm, op=op, backend=backend)
             try:
