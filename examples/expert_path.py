@@ -23,11 +23,12 @@ def gemm_backends(device: torch.device, backend: str = "auto") -> str:
         return CPU_PATH if backend in ("auto", "reference") else f"grouped GEMMs {backend!r} on {device}"
     if backend != "auto":
         return f"Triton kernels; grouped GEMMs {backend!r}"
-    from transformer_engine_moe.kernels import cublaslt, grouped_gemm_deepgemm, grouped_gemm_gluon
-    from transformer_engine_moe.ops.grouped_gemm import AUTO_ORDER, CUBLAS_MIN_MEAN_ROWS, CUBLAS_MIN_WEIGHT
+    from transformer_engine_moe.kernels import cublaslt, grouped_gemm_deepgemm
+    from transformer_engine_moe.ops.grouped_gemm import (AUTO_ORDER, CUBLAS_MIN_MEAN_ROWS, CUBLAS_MIN_WEIGHT,
+                                                         gluon_available)
 
     deepgemm, lt = grouped_gemm_deepgemm.available(device), cublaslt.available(device)
-    gluon = grouped_gemm_gluon.available(device)
+    gluon = gluon_available(device)
     kinds = []
     for kind, label in (("fprop", "fprop/dgrad"), ("wgrad", "wgrad"), ("wgrad_accumulate", "wgrad into main_grad")):
         order = [n for n in AUTO_ORDER[kind] if (n != "deepgemm" or deepgemm) and (n != "cublas" or lt)

@@ -77,7 +77,7 @@ DEEPGEMM: Optional[Implementation] = None
 GLUON: Optional[Implementation] = None
 try:
     from .kernels import dequantize as kd, grouped_gemm as kg, permute as kp, quantize as kq, swiglu as ks
-    from .kernels import grouped_gemm_cublas, grouped_gemm_deepgemm, grouped_gemm_gluon, transpose as kt
+    from .kernels import grouped_gemm_cublas, grouped_gemm_deepgemm, transpose as kt
 except ModuleNotFoundError as err:  # Triton absent: the reference path only
     if err.name != "triton":
         raise
@@ -90,9 +90,13 @@ else:
         TRITON, name=name, grouped_gemm=launcher_op("grouped_gemm", name, module.grouped_gemm),
         grouped_gemm_wgrad=launcher_op("grouped_gemm_wgrad", name, module.grouped_gemm_wgrad))
         for name, module in (("cublas", grouped_gemm_cublas), ("deepgemm", grouped_gemm_deepgemm)))
-    # fprop/dgrad only: the wgrad stays Triton's
-    GLUON = dataclasses.replace(TRITON, name="gluon",
-                                grouped_gemm=launcher_op("grouped_gemm", "gluon", grouped_gemm_gluon.grouped_gemm))
+    try:  # Triton 3.6's Gluon API: absent or moved in other Triton releases, which then run without this column
+        from .kernels import grouped_gemm_gluon
+    except ImportError:
+        pass
+    else:  # fprop/dgrad only: the wgrad stays Triton's
+        GLUON = dataclasses.replace(TRITON, name="gluon",
+                                    grouped_gemm=launcher_op("grouped_gemm", "gluon", grouped_gemm_gluon.grouped_gemm))
 
 IMPLEMENTATIONS = {impl.name: impl for impl in (REFERENCE, TRITON, CUBLAS, DEEPGEMM, GLUON) if impl is not None}
 

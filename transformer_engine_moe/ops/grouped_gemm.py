@@ -113,16 +113,20 @@ class GemmCall:
         """The call on ``a`` (the first operand's FP8 data) and its device."""
         return cls(kind, a.dtype, b_dtype, m_splits, out_dtype, weight_elements, out_list, a.is_cuda,
                    a.is_cuda and deepgemm.available(a.device), a.is_cuda and cublaslt.available(a.device),
-                   a.is_cuda and _gluon() is not None and _gluon().available(a.device), n)
+                   a.is_cuda and gluon_available(a.device), n)
 
 
 def _gluon():
-    """``kernels.grouped_gemm_gluon`` where Triton is installed (its column in ``IMPLEMENTATIONS``), else None."""
-    if "gluon" not in IMPLEMENTATIONS:
-        return None
+    """``kernels.grouped_gemm_gluon``; only where its column is in ``IMPLEMENTATIONS`` (Triton 3.6 importable)."""
     from ..kernels import grouped_gemm_gluon
 
     return grouped_gemm_gluon
+
+
+def gluon_available(device: torch.device) -> bool:
+    """Whether the Gluon kernel runs on ``device``: it imports (Triton with the Gluon API) and ``available`` says
+    so (a Hopper GPU under Triton 3.6)."""
+    return "gluon" in IMPLEMENTATIONS and _gluon().available(device)
 
 
 def why_not(backend: str, call: GemmCall) -> Optional[str]:
