@@ -55,6 +55,16 @@ def _scaled_block(a_tile, b_tile, sa_row, sb_tile, row_ok, kb, stride_br, stride
 
 
 @triton.jit
+def swizzled_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of program ``pid`` over a ``num_pid_m x num_pid_n`` grid of tiles: GROUP_M row blocks
+    sweep the N tiles together, so B_g's tiles are reused from L2 (also the Gluon kernel's order)."""
+    group_id = pid // (GROUP_M * num_pid_n)
+    first_m = group_id * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % (GROUP_M * num_pid_n)) % rows_in_group, (pid % (GROUP_M * num_pid_n)) // rows_in_group
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, sizes_ptr, num_groups, M, N,
     stride_bg, stride_br, stride_bn, stride_bsg, stride_bsr, stride_bsn,
@@ -67,13 +77,7 @@ def _grouped_gemm_kernel(
     ``num_groups`` groups are not touched."""
     num_pid_n = N // BLOCK_N
     num_pid_m = tl.num_programs(0) // num_pid_n
-    pid = tl.program_id(0)
-    # GROUP_M row blocks sweep the N tiles together, so B_g's tiles are reused from L2
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % rows_in_group
-    pid_n = (pid % (GROUP_M * num_pid_n)) // rows_in_group
+    pid_m, pid_n = swizzled_tile(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
 
     start, count, g, _, _ = column_block_rows(pid_m, sizes_ptr, num_groups, M, GROUPED, MAX_GROUPS)
     if count > 0:

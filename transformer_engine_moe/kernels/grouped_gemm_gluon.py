@@ -30,7 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ..layout import num_column_blocks
-from .grouped_gemm import zero_weightless_rows
+from .grouped_gemm import swizzled_tile, zero_weightless_rows
 from .groups import group_sizes_arg
 
 TRITON_VERSION = "3.6"
@@ -152,13 +152,7 @@ def _grouped_gemm_kernel(
     KB: gl.constexpr = R // 128
     num_pid_n = N // 256
     num_pid_m = gl.num_programs(0) // num_pid_n
-    pid = gl.program_id(0)
-    # GROUP_M row blocks sweep the N tiles together, so B_g's tiles are reused from L2 (as the twin)
-    group_id = pid // (GROUP_M * num_pid_n)
-    first_m = group_id * GROUP_M
-    rows_in_group = gl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_pid_n)) % rows_in_group
-    pid_n = (pid % (GROUP_M * num_pid_n)) // rows_in_group
+    pid_m, pid_n = swizzled_tile(gl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     start, count, g = _block_rows(pid_m, sizes_ptr, num_groups, MAX_GROUPS, vec)
     if count > 0:
