@@ -39,6 +39,7 @@ Alignment: K and N multiples of 128 (the weights' 128x128 blocks).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -116,6 +117,7 @@ class GemmCall:
                    a.is_cuda and gluon_available(a.device), n)
 
 
+@functools.cache
 def _gluon():
     """``kernels.grouped_gemm_gluon``; only where its column is in ``IMPLEMENTATIONS`` (Triton 3.6 importable)."""
     from ..kernels import grouped_gemm_gluon
@@ -123,6 +125,7 @@ def _gluon():
     return grouped_gemm_gluon
 
 
+@torch.compiler.assume_constant_result  # a host fact (GemmCall.of runs in every GEMM call, traced too)
 def gluon_available(device: torch.device) -> bool:
     """Whether the Gluon kernel runs on ``device``: it imports (Triton with the Gluon API) and ``available`` says
     so (a Hopper GPU under Triton 3.6)."""
