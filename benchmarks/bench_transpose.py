@@ -27,8 +27,8 @@ from transformer_engine_moe.reference import dequantize as ref
 import utils
 
 FP8 = torch.float8_e4m3fn
-SHAPES = [(65536, 7168), (32768, 4096)]
-GROUPS = [8, 32]
+SHAPES = [(65536, 7168), (32768, 4096), (131072, 2048)]  # the last: qwen3_moe_like's fc1 input, 128 x 1024 rows
+GROUPS = [8, 32, 128]
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,8 @@ def accuracy(m: int = 16384, k: int = 7168, groups: int = 32) -> list[dict]:
 
 
 def sweep(copy_tbps: float) -> list[dict]:
-    """Launch shapes of the transpose and of the two baseline kernels at 65536 x 7168, 32 groups."""
+    """Launch shapes of the transpose at 65536 x 7168 (32 groups) and 131072 x 2048 (128 groups), and of the two
+    baseline kernels at the first."""
     m, k = SHAPES[0]
     q = quantize_blockwise(activations(m, k))
     data, scale = q.rowwise_data, q.rowwise_scale_inv
@@ -135,11 +136,17 @@ def sweep(copy_tbps: float) -> list[dict]:
     aligned = group_sizes(m, 32, aligned=True)
     hp = kd.dequantize_1x128(data, scale, torch.bfloat16)
     rows = []
-    for kb_tile, warps in itertools.product((1, 2, 4, 8), (2, 4, 8)):
-        for name, sp in (("ragged", splits), ("x128", aligned)):
-            t = utils.time_ms(lambda: kt.scaling_aware_transpose(data, scale, sp, config=(kb_tile, warps)), 25, 100)
-            rows.append(dict(kernel=f"transpose {name}", config=f"KB_TILE={kb_tile} warps={warps}", us=t * 1e3,
-                             pct_of_copy=100 * transpose_bytes(m, k, sp) / t / 1e9 / copy_tbps))
+    for (tm, tk), groups in ((SHAPES[0], 32), (SHAPES[2], 128)):
+        tq = quantize_blockwise(activations(tm, tk))
+        cases = (("ragged", torch.tensor(group_sizes(tm, groups), device="cuda")),
+                 ("x128", group_sizes(tm, groups, aligned=True)))
+        for cfg in itertools.product((1, 2, 4), (1, 2, 4), (2, 4, 8)):
+            for name, sp in cases:
+                t = utils.time_ms(lambda: kt.scaling_aware_transpose(tq.rowwise_data, tq.rowwise_scale_inv, sp,
+                                                                     config=cfg), 25, 100)
+                rows.append(dict(kernel=f"transpose {tm}x{tk} {groups} {name}",
+                                 config="KB_TILE={} CHUNKS={} warps={}".format(*cfg), us=t * 1e3,
+                                 pct_of_copy=100 * transpose_bytes(tm, tk, sp) / t / 1e9 / copy_tbps))
     for block_k, warps in itertools.product((32, 64, 128), (2, 4, 8)):
         for name, sp in (("ragged", splits), ("x128", aligned)):
             t = utils.time_ms(lambda: kq.quantize_128x1(hp, FP8, True, 0.0, sp, config=(block_k, warps)), 25, 100)
@@ -163,7 +170,7 @@ def main():
     results = [run_experiment(cfg, copy_tbps) for cfg in get_configs()]
     acc = accuracy()
     notes = (
-        f"Launch shapes: transpose {kt.TRANSPOSE_CONFIG} (KB_TILE, warps), dequantize "
+        f"Launch shapes: transpose {kt.TRANSPOSE_CONFIG} (KB_TILE, CHUNKS, warps), dequantize "
         f"{kd.DEQUANTIZE_CONFIG} (BLOCK_M, warps), quantize_128x1 {kq.COLWISE_CONFIG} (BLOCK_K, warps). "
         "Group sizes: Dirichlet(1) over the groups; ragged ones passed as a device tensor (no host "
         "sync), x128 ones (multiples of 128, as after permute+pad) as a host list. "

@@ -107,6 +107,18 @@ def test_kernel_matches_reference_bitwise(fp8, splits):
     assert torch.equal(a.columnwise_data.view(torch.uint8), b.columnwise_data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("splits", [GROUPS, [0, 256, 112, 1008]], ids=["ragged", "multiples_of_16"])
+@pytest.mark.parametrize("config", [(1, 1, 2), (2, 2, 4), (1, 4, 4), (2, 4, 8)], ids=str)
+def test_every_launch_shape_gives_the_reference_bits(config, splits):
+    """(KB_TILE, CHUNKS, num_warps): column slices of a ragged last 128-column block (K = 300); groups that take
+    the kernel's general path and groups that take its 16-byte-store path."""
+    q = quantize_blockwise(activations(sum(splits), 300), fp8_dtype=torch.float8_e5m2)
+    want = scaling_aware_transpose(q, splits, backend="reference")
+    qt, st = kt.scaling_aware_transpose(q.rowwise_data, q.rowwise_scale_inv, splits, config=config)
+    assert torch.equal(st, want.columnwise_scale_inv)
+    assert torch.equal(qt.view(torch.uint8), want.columnwise_data.view(torch.uint8))
+
+
 @pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
 def test_every_code_at_every_shift(fp8):
     """All 256 codes in rows whose scales sit 0..11 binades below the block's largest: normals

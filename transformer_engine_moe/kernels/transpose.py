@@ -8,8 +8,9 @@ each group's ``[K, m_g]`` after the previous one, ``layout.py``) with block-majo
 one program per column block (128 rows of one group) and KB_TILE 128-column blocks (the
 group looked up once), per 128-column block reads the codes and the row scales, writes its
 column scales (from the rows with a nonzero code), shifts the codes by the per-row exponent difference and stores them
-transposed into the group's own ``[K, m_g]`` block. One read
-and one write of FP8. Those transposed stores are 16-byte vectors only when the compiler
+transposed into the group's own ``[K, m_g]`` block, CHUNKS column slices at a time (each slice's codes read
+again, from L1/L2: a whole 128x128 block re-encoded at once held 255 registers a thread, 12.5% occupancy). One
+read of FP8 from memory and one write. Those transposed stores are 16-byte vectors only when the compiler
 can prove the group's first row and size multiples of 16: a run-time branch rewrites them
 as ``x // 16 * 16`` when they are (padded experts always are); ragged groups take the
 general path, correct but with byte stores.
@@ -37,9 +38,9 @@ from ..recipe import BLOCK_SIZE
 from .casts import float_to_fp8_bits, fp8_bits_to_float, use_software_cast
 from .groups import column_block_rows, group_sizes_arg, store_columnwise
 
-# (KB_TILE: 128-column blocks per program, num_warps) from benchmarks/bench_transpose.py's sweep (H200): 70% of
-# copy for experts of multiples of 128 rows (the two-pass [K, M] kernel before the expert-major layout: 83%).
-TRANSPOSE_CONFIG = (1, 2)
+# (KB_TILE: 128-column blocks per program, CHUNKS: column slices re-encoded at a time, num_warps) from
+# benchmarks/bench_transpose.py's sweep (H200).
+TRANSPOSE_CONFIG = (1, 4, 4)
 # (BLOCK, num_warps) of the byte transpose, from benchmarks/bench_transpose_grouped_weight.py's sweep.
 BYTE_TRANSPOSE_CONFIG = (64, 4)
 
@@ -107,7 +108,7 @@ def _column_block_scales(s_ptr, rows, row_ok, live, kb, num_kb):
 def _scaling_aware_transpose_kernel(
     q_ptr, s_ptr, qt_ptr, st_ptr, sizes_ptr, M, K, num_kb, num_groups,
     E5M2: tl.constexpr, SOFTWARE_CAST: tl.constexpr, GROUPED: tl.constexpr, MAX_GROUPS: tl.constexpr,
-    KB_TILE: tl.constexpr,
+    KB_TILE: tl.constexpr, CHUNKS: tl.constexpr,
 ):
     """Column block ``b`` x KB_TILE 128-column blocks of q [M, K]: the block's group is looked up once."""
     b = tl.program_id(0)
@@ -116,18 +117,20 @@ def _scaling_aware_transpose_kernel(
     local = (start - first) // 128 * 128  # the block's first column in its group's [K, m_g] block
     if (first % 16 == 0) & (size % 16 == 0):  # provably aligned in this branch: 16-byte stores
         _transpose_column_block(q_ptr, s_ptr, qt_ptr, st_ptr, b, start, count // 16 * 16, first // 16 * 16,
-                                size // 16 * 16, local, K, num_kb, kb0, E5M2, SOFTWARE_CAST, KB_TILE)
+                                size // 16 * 16, local, K, num_kb, kb0, E5M2, SOFTWARE_CAST, KB_TILE, CHUNKS)
     else:
         _transpose_column_block(q_ptr, s_ptr, qt_ptr, st_ptr, b, start, count, first, size, local, K, num_kb,
-                                kb0, E5M2, SOFTWARE_CAST, KB_TILE)
+                                kb0, E5M2, SOFTWARE_CAST, KB_TILE, CHUNKS)
 
 
 @triton.jit
 def _transpose_column_block(q_ptr, s_ptr, qt_ptr, st_ptr, b, start, count, first, size, local, K, num_kb, kb0,
-                            E5M2: tl.constexpr, SOFTWARE_CAST: tl.constexpr, KB_TILE: tl.constexpr):
+                            E5M2: tl.constexpr, SOFTWARE_CAST: tl.constexpr, KB_TILE: tl.constexpr,
+                            CHUNKS: tl.constexpr):
     r = tl.arange(0, 128)
     row_ok = r < count
     rows = (start + r).to(tl.int64)
+    W: tl.constexpr = 128 // CHUNKS
     for i in tl.static_range(KB_TILE):
         kb = kb0 + i
         cols = kb * 128 + tl.arange(0, 128)
@@ -136,8 +139,13 @@ def _transpose_column_block(q_ptr, s_ptr, qt_ptr, st_ptr, b, start, count, first
         live = tl.max((code & 0x7F).to(tl.int32), axis=1) > 0  # rows with a nonzero code in this block
         s_col, d = _column_block_scales(s_ptr, rows, row_ok & (kb < num_kb), live, kb, num_kb)
         tl.store(st_ptr + b.to(tl.int64) * K + cols, tl.zeros([128], tl.float32) + s_col, mask=col_ok)
-        out = tl.trans(shift_fp8_down(code, d[:, None], E5M2, SOFTWARE_CAST))
-        store_columnwise(qt_ptr, out, col_ok, cols, r, count, first, size, local, K)
+        for c in tl.static_range(CHUNKS):
+            part_cols = kb * 128 + c * W + tl.arange(0, W)
+            part_ok = part_cols < K
+            part = code if CHUNKS == 1 else tl.load(q_ptr + rows[:, None] * K + part_cols[None, :],
+                                                     mask=row_ok[:, None] & part_ok[None, :], other=0)
+            out = tl.trans(shift_fp8_down(part, d[:, None], E5M2, SOFTWARE_CAST))
+            store_columnwise(qt_ptr, out, part_ok, part_cols, r, count, first, size, local, K)
 
 
 def scaling_aware_transpose(
@@ -145,14 +153,14 @@ def scaling_aware_transpose(
     scale_inv: torch.Tensor,
     m_splits=None,
     software_cast: bool | None = None,
-    config: tuple[int, int] | None = None,
+    config: tuple[int, int, int] | None = None,
 ):
     """``data [M, K]`` FP8 (contiguous), ``scale_inv [M, ceil(K/128)]`` -> ``(qt, scale_inv_t [num_column_blocks,
     K])``, ``qt`` ``[K, M]`` or, with ``m_splits`` (host list or device tensor of group sizes summing to M),
     expert-major ``[M*K]``.
 
     ``software_cast`` forces the integer re-encoding on or off (default: on for CPU
-    tensors); ``config`` overrides ``(KB_TILE, num_warps)`` (benchmark sweeps).
+    tensors); ``config`` overrides ``(KB_TILE, CHUNKS, num_warps)`` (benchmark sweeps).
     """
     m, k = data.shape
     nb, num_kb = num_column_blocks(m, m_splits), triton.cdiv(k, BLOCK_SIZE)
@@ -160,13 +168,13 @@ def scaling_aware_transpose(
     st = torch.empty((nb, k), dtype=torch.float32, device=data.device)
     if nb == 0 or k == 0:
         return qt, st
-    kb_tile, num_warps = config or TRANSPOSE_CONFIG
+    kb_tile, chunks, num_warps = config or TRANSPOSE_CONFIG
     sizes, g, grouped, max_groups = group_sizes_arg(m_splits, data.device)
     _scaling_aware_transpose_kernel[(nb, triton.cdiv(num_kb, kb_tile))](
         data.view(torch.uint8), scale_inv, qt.view(torch.uint8), st, sizes, m, k, num_kb, g,
         E5M2=data.dtype == torch.float8_e5m2,
         SOFTWARE_CAST=use_software_cast(data, software_cast),
-        GROUPED=grouped, MAX_GROUPS=max_groups, KB_TILE=kb_tile, num_warps=num_warps,
+        GROUPED=grouped, MAX_GROUPS=max_groups, KB_TILE=kb_tile, CHUNKS=chunks, num_warps=num_warps,
     )
     return qt, st
 
