@@ -27,8 +27,9 @@ from transformer_engine_moe.reference import dequantize as ref
 import utils
 
 FP8 = torch.float8_e4m3fn
-SHAPES = [(65536, 7168), (32768, 4096), (131072, 2048)]  # the last: qwen3_moe_like's fc1 input, 128 x 1024 rows
-GROUPS = [8, 32, 128]
+# (shape, group counts): DeepSeek-V3-sized activations at 8 and 32 local experts, and qwen3_moe_like's fc1 input
+# (128 experts of about 1024 rows)
+CASES = [((65536, 7168), (8, 32)), ((32768, 4096), (8, 32)), ((131072, 2048), (128,))]
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class ExperimentResult:
 
 
 def get_configs() -> list[ExperimentConfig]:
-    return [ExperimentConfig(m, k, g, a) for (m, k), g, a in itertools.product(SHAPES, GROUPS, (False, True))]
+    return [ExperimentConfig(m, k, g, a) for (m, k), groups in CASES for g in groups for a in (False, True)]
 
 
 def group_sizes(m: int, groups: int, aligned: bool = False) -> list[int]:
@@ -129,14 +130,14 @@ def accuracy(m: int = 16384, k: int = 7168, groups: int = 32) -> list[dict]:
 def sweep(copy_tbps: float) -> list[dict]:
     """Launch shapes of the transpose at 65536 x 7168 (32 groups) and 131072 x 2048 (128 groups), and of the two
     baseline kernels at the first."""
-    m, k = SHAPES[0]
+    m, k = CASES[0][0]
     q = quantize_blockwise(activations(m, k))
     data, scale = q.rowwise_data, q.rowwise_scale_inv
     splits = torch.tensor(group_sizes(m, 32), device="cuda")
     aligned = group_sizes(m, 32, aligned=True)
     hp = kd.dequantize_1x128(data, scale, torch.bfloat16)
     rows = []
-    for (tm, tk), groups in ((SHAPES[0], 32), (SHAPES[2], 128)):
+    for (tm, tk), groups in ((CASES[0][0], 32), (CASES[2][0], 128)):
         tq = quantize_blockwise(activations(tm, tk))
         cases = (("ragged", torch.tensor(group_sizes(tm, groups), device="cuda")),
                  ("x128", group_sizes(tm, groups, aligned=True)))
