@@ -199,8 +199,8 @@ def build_variants(names, block: FP8FlowMoE, data, warmup: int, sync=torch.cuda.
 def one_process(shape: Shape, experts_list, names, warmup: int, rounds: int, calls: int) -> dict:
     """One process's measurements (``--worker-out``): per expert count, each block's median ms per step over
     the interleaved rounds, its rounds, its host ms per step, and the blocks skipped; the GPU state at start
-    and end."""
-    out = {"gpu_state": [utils.gpu_state()], "experts": {}}
+    and end, and the host's load (``utils.host_load``)."""
+    out = {"gpu_state": [utils.gpu_state()], "host_load": [utils.host_load()], "experts": {}}
     for experts in experts_list:
         data = inputs(shape, experts)
         steps, skipped = build_variants(names, fp8_flow_block(shape, experts, single_grouped_weight=True), data, warmup)
@@ -212,6 +212,7 @@ def one_process(shape: Shape, experts_list, names, warmup: int, rounds: int, cal
         del steps, data
         torch.cuda.empty_cache()
     out["gpu_state"].append(utils.gpu_state())
+    out["host_load"].append(utils.host_load())
     return out
 
 
@@ -408,6 +409,7 @@ def main():
     if per_process:
         env = dict(env, processes=args.processes, warmup=args.warmup, rounds=args.rounds, calls=args.calls,
                    gpu_state_per_process=[p["gpu_state"] for p in per_process],
+                   host_load_per_process=[p["host_load"] for p in per_process],
                    priming_processes=args.priming_processes, priming_speedups=priming_speedups(args.shape, priming))
         write_rows(args.shape, args.suffix, env, ceilings, process_rows(args.shape, per_process, list(VARIANTS)))
     elif args.experts:
@@ -441,7 +443,8 @@ NOTES = {
                  "host_ms: host time of one step from an idle GPU (median). fp8_weights: cached = "
                  "is_first_microbatch True once, then False (the middle of a step); requantized = True every step. "
                  "Method: the module docstring; environment: gpu_state_per_process = SM clock, temperature, power at "
-                 "each process's start and end.",
+                 "each process's start and end; host_load_per_process = the host's 1-minute load average and the "
+                 "CPUs the process may use, at its start and end (other work on the host slows these blocks).",
     "sweep": "One-process sweep (peak_gib etc.): FP8 blocks pad each expert's rows to the block's align_size; "
              "bf16_grouped_mm does not pad. saved_gib: distinct storages autograd keeps for backward "
              "(saved_tensors_hooks), parameters excluded. peak_gib: peak allocation above the inputs and parameters "

@@ -171,6 +171,14 @@ def gpu_state() -> dict:
     return state
 
 
+def host_load() -> dict:
+    """The host's 1-minute load average, the CPUs this process may run on and the host's CPUs: recorded around
+    timed runs of blocks whose step waits on the host, which other work on the same host slows (2026-11-28, H200s:
+    the qwen3_moe_like block 1.45-1.58x over three processes beside another GPU's tests and sweep, 1.48-1.54x
+    alone)."""
+    return dict(load_1min=round(os.getloadavg()[0], 2), cpus=len(os.sched_getaffinity(0)), host_cpus=os.cpu_count())
+
+
 def cuda_graph(step: Callable[[], object], warmup: int = 2) -> "torch.cuda.CUDAGraph":
     """``step`` captured in one CUDA graph, after ``warmup`` eager runs on a side stream (as torch.cuda.graphs
     requires: kernels compiled, caches filled); replay it with ``.replay()`` and keep it alive meanwhile."""

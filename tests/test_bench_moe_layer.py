@@ -41,7 +41,8 @@ def test_bad_arguments_are_refused(argv, message, capsys):
 
 def _process(ms: dict, skipped=None, rounds=None):
     return {"experts": {"128": dict(ms=ms, rounds_ms=rounds or {n: [v, v] for n, v in ms.items()},
-                                    host_ms={n: 1.0 for n in ms}, skipped=skipped or {})}, "gpu_state": [{}, {}]}
+                                    host_ms={n: 1.0 for n in ms}, skipped=skipped or {})}, "gpu_state": [{}, {}],
+            "host_load": [{}, {}]}
 
 
 def test_priming_processes_are_left_out_of_the_rows():

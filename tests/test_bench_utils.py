@@ -136,6 +136,13 @@ def test_markdown_grouped_by_a_key_has_a_table_per_value_with_its_columns(tmp_pa
     assert json.loads((tmp_path / "r.json").read_text())["results"] == rows
 
 
+def test_host_load_reports_the_load_and_the_cpus_this_process_may_use(monkeypatch):
+    monkeypatch.setattr(utils.os, "getloadavg", lambda: (3.456, 1.0, 0.5))
+    monkeypatch.setattr(utils.os, "sched_getaffinity", lambda pid: set(range(16, 32)))
+    monkeypatch.setattr(utils.os, "cpu_count", lambda: 32)
+    assert utils.host_load() == dict(load_1min=3.46, cpus=16, host_cpus=32)
+
+
 def test_gpu_state_counts_the_processes_sharing_the_gpu_and_warns(monkeypatch, capsys):
     """The state recorded around timed runs says how many processes compute on the GPU; more than this one is
     warned of (a shared GPU's timings are not the block's)."""
