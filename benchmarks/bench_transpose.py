@@ -127,22 +127,24 @@ def accuracy(m: int = 16384, k: int = 7168, groups: int = 32) -> list[dict]:
     return rows
 
 
+def grouped_input(m: int, k: int, groups: int):
+    """(1x128 FP8 activations ``[m, k]``, ragged group sizes as a device tensor, multiples of 128 as a host list)."""
+    return (quantize_blockwise(activations(m, k)), torch.tensor(group_sizes(m, groups), device="cuda"),
+            group_sizes(m, groups, aligned=True))
+
+
 def sweep(copy_tbps: float) -> list[dict]:
     """Launch shapes of the transpose at 65536 x 7168 (32 groups) and 131072 x 2048 (128 groups), and of the two
     baseline kernels at the first."""
-    m, k = CASES[0][0]
-    q = quantize_blockwise(activations(m, k))
+    (m, k), (qm, km) = CASES[0][0], CASES[2][0]
+    first = grouped_input(m, k, 32)
+    q, splits, aligned = first
     data, scale = q.rowwise_data, q.rowwise_scale_inv
-    splits = torch.tensor(group_sizes(m, 32), device="cuda")
-    aligned = group_sizes(m, 32, aligned=True)
     hp = kd.dequantize_1x128(data, scale, torch.bfloat16)
     rows = []
-    for (tm, tk), groups in ((CASES[0][0], 32), (CASES[2][0], 128)):
-        tq = quantize_blockwise(activations(tm, tk))
-        cases = (("ragged", torch.tensor(group_sizes(tm, groups), device="cuda")),
-                 ("x128", group_sizes(tm, groups, aligned=True)))
+    for (tm, tk), groups, (tq, ragged, x128) in (((m, k), 32, first), ((qm, km), 128, grouped_input(qm, km, 128))):
         for cfg in itertools.product((1, 2, 4), (1, 2, 4), (2, 4, 8)):
-            for name, sp in cases:
+            for name, sp in (("ragged", ragged), ("x128", x128)):
                 t = utils.time_ms(lambda: kt.scaling_aware_transpose(tq.rowwise_data, tq.rowwise_scale_inv, sp,
                                                                      config=cfg), 25, 100)
                 rows.append(dict(kernel=f"transpose {tm}x{tk} {groups} {name}",
