@@ -126,6 +126,26 @@ def test_host_splits_are_checked_once_and_read_only():
             HostSplits(bad)
 
 
+@pytest.mark.parametrize("align", [1, 3, 128])
+def test_host_splits_padded_are_made_once_and_read_only(align):
+    """``HostSplits.padded(align)``: each size rounded up to a multiple of ``align``, a ``HostSplits`` with its total,
+    multiples and column blocks as if made from the list, the same object at every call (a permute and its rerun)."""
+    sizes = [0, 128, 300, 1, 256, 127]
+    splits = HostSplits(sizes)
+    padded = splits.padded(align)
+    want = [-(-s // align) * align for s in sizes]
+    made = HostSplits(want)
+    assert type(padded) is HostSplits and padded == want and padded.total == made.total == sum(want)
+    assert padded.column_blocks == made.column_blocks == num_column_blocks(sum(want), want)
+    assert padded.multiple_of(align) and padded.multiple_of(128) == made.multiple_of(128)
+    assert splits.padded(align) is padded and padded.padded(align) is padded
+    with pytest.raises(TypeError, match="HostSplits is read-only"):
+        padded.append(1)
+    for bad in (0, -128, 1.5, True):
+        with pytest.raises(ValueError, match="align must be an int >= 1"):
+            splits.padded(bad)
+
+
 def test_te_adapters_round_trip():
     pytest.importorskip("transformer_engine.pytorch", reason="TransformerEngine not installed")
     from transformer_engine_moe import from_te, to_te

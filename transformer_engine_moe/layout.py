@@ -118,27 +118,49 @@ def host_list(counts: torch.Tensor, before_host_wait: Optional[Callable[[], obje
 
 class HostSplits(list):
     """Group sizes on the host, checked once: a read-only list of ints >= 0 (a write raises TypeError) with its
-    ``total`` and ``column_blocks`` (``num_column_blocks``) computed when made. ``check_m_splits`` and
-    ``own_m_splits`` take one in O(1) (its total compared with M; kept as it is, no copy), and the size rules
-    read its cached facts (``multiple_of``): ``FP8FlowMoE``'s permute makes its padded splits once per step,
-    and the GEMMs, transposes and FP8 tensors after it check them without walking the E sizes again (about
+    ``total`` computed when made and its ``column_blocks`` (``num_column_blocks``) when first read. ``check_m_splits``
+    and ``own_m_splits`` take one in O(1) (its total compared with M; kept as it is, no copy), and the size rules
+    read its cached facts (``multiple_of``, ``padded``): ``FP8FlowMoE``'s permute makes its padded splits once per
+    step, and the GEMMs, transposes and FP8 tensors after it check them without walking the E sizes again (about
     twenty walks of 128 sizes per step, host time on the forward's critical path)."""
 
     def __init__(self, sizes):
         super().__init__(sizes)
-        if not all(type(s) is int for s in self):
+        if not self:
+            raise ValueError("HostSplits must be non-empty and >= 0, got []")
+        if set(map(type, self)) != {int}:
             raise TypeError(f"HostSplits takes ints, got {[type(s).__name__ for s in self if type(s) is not int][:1]}")
-        if not self or min(self) < 0:
+        if min(self) < 0:
             raise ValueError(f"HostSplits must be non-empty and >= 0, got {list(self)}")
         self.total = sum(self)
-        self.column_blocks = sum(-(-s // BLOCK_SIZE) for s in self)
-        self._multiple_of = {}
+        self._multiple_of, self._padded, self._column_blocks = {}, {}, None
+
+    @property
+    def column_blocks(self) -> int:
+        """``num_column_blocks``: the 128-row column blocks of the groups (each group starts a block)."""
+        if self._column_blocks is None:
+            self._column_blocks = self.total // BLOCK_SIZE if self.multiple_of(BLOCK_SIZE) else \
+                sum([(s + BLOCK_SIZE - 1) // BLOCK_SIZE for s in self])
+        return self._column_blocks
 
     def multiple_of(self, n: int) -> bool:
         """Whether every size is a multiple of ``n`` (computed once per ``n``)."""
         if n not in self._multiple_of:
             self._multiple_of[n] = all(s % n == 0 for s in self)
         return self._multiple_of[n]
+
+    def padded(self, align: int) -> "HostSplits":
+        """Each size rounded up to a multiple of ``align`` (an int >= 1), as a ``HostSplits`` made once per
+        ``align`` (a permute and its ``moe_expert`` rerun pad the same counts)."""
+        if type(align) is not int or align < 1:
+            raise ValueError(f"align must be an int >= 1, got {align!r}")
+        if align not in self._padded:
+            out = HostSplits.__new__(HostSplits)
+            list.__init__(out, [(s + align - 1) // align * align for s in self])  # ints >= 0: no check again
+            out.total, out._padded, out._column_blocks = sum(out), {align: out}, None
+            out._multiple_of = {align: True}
+            self._padded[align] = out
+        return self._padded[align]
 
     def _read_only(self, *args, **kwargs):
         raise TypeError("HostSplits is read-only (its checks and totals are cached): change a copy, list(splits)")

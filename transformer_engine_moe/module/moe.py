@@ -289,9 +289,10 @@ class FP8FlowMoE(nn.Module):
             # as given: the local dispatcher's counts are its layout's (ops.layout_host_counts), taken as they are
             x, probs, row_id_map, pad_offsets, _ = moe_permute_and_pad_with_probs(
                 hidden, probs, routing_map, tokens_per_expert, a, layout=layout)
-            padded = [-(-c // a) * a for c in tokens_per_expert]
-            # a plain list for torch.compile (which traces the checks once, not per step)
-            return x, probs, row_id_map, pad_offsets, padded if torch.compiler.is_compiling() else HostSplits(padded)
+            if torch.compiler.is_compiling():  # a plain list (torch.compile traces the checks once, not per step)
+                return x, probs, row_id_map, pad_offsets, [-(-c // a) * a for c in tokens_per_expert]
+            counts = tokens_per_expert if type(tokens_per_expert) is HostSplits else HostSplits(tokens_per_expert)
+            return x, probs, row_id_map, pad_offsets, counts.padded(a)
         slack = e * (a - 1)
         rows = -(-(topk_ids.numel() + slack) // a) * a
         x, probs, row_id_map, pad_offsets, padded = moe_permute_and_pad_with_probs(

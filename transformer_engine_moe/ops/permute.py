@@ -355,7 +355,8 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
         check_on_device((want.to(counts.device, torch.int64) == counts).all(),
                         f"{op}: tokens_per_expert differs from routing_map.sum(0)")
     if host_counts is not None:  # the exact padded size, known on the host: no slack rows
-        capacity = sum(-(-c // a) * a for c in host_counts)
+        capacity = host_counts.padded(a).total if type(host_counts) is HostSplits else \
+            sum(-(-c // a) * a for c in host_counts)
     else:
         if num_out_tokens is None:
             num_out_tokens = num_tokens * num_experts  # a mask's worst case: pass num_tokens * topk instead
@@ -367,7 +368,8 @@ def _permute(inp, probs, routing_map, num_out_tokens, align_size, tokens_per_exp
         pad_offsets = padded = None
     if not torch.compiler.is_compiling():
         _register_map(row_id_map, pad_offsets, capacity,
-                      sum(host_counts) if host_counts is not None and align_size is not None else None)
+                      None if host_counts is None or align_size is None else
+                      host_counts.total if type(host_counts) is HostSplits else sum(host_counts))
     out, out_probs = _Permute.apply(inp, probs, row_id_map, pad_offsets, capacity, impl)
     return out, out_probs, row_id_map, pad_offsets, padded
 
