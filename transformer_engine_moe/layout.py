@@ -157,7 +157,7 @@ class HostSplits(list):
         if align not in self._padded:
             out = HostSplits.__new__(HostSplits)
             list.__init__(out, [(s + align - 1) // align * align for s in self])  # ints >= 0: no check again
-            out.total, out._padded, out._column_blocks = sum(out), {align: out}, None
+            out.total, out._padded, out._column_blocks = sum(out), {}, None
             out._multiple_of = {align: True}
             self._padded[align] = out
         return self._padded[align]
