@@ -28,20 +28,33 @@ waits longest before, i.e. where the step waits for its host). Results keep the 
 configurations.
 
 Run on a GPU: ``python benchmarks/bench_host_time.py --config qwen3_moe_like [--profile-host]``.
+
+``--cpu-faked`` (a machine without a GPU): the package's own host path, with every launch of the package's ops
+replaced by its fake (outputs of the right shapes, nothing computed; ``faked_launches``) but the routing's (its
+counts size the permute), whose time is taken off. Per FP8-Flow block: ``host_us`` per step and ``experts_us`` from
+``routed_experts``' entry (after the dispatch's host wait) to unpermute's launch, the median and the least over
+``--steps``: a proxy of the Python and dispatch work on the host's path, for comparing two versions of the code
+on one machine (interleave them); it leaves out what only a GPU has (launch latency, DeepGEMM's and Triton's own
+host work). ``bench_host_time_cpu``. Run: ``python benchmarks/bench_host_time.py --cpu-faked --config
+qwen3_moe_like --tokens 256 --steps 100``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import os
 import pathlib
 import pstats
 import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from transformer_engine_moe import FP8FlowMoE
+from transformer_engine_moe import FP8FlowMoE, backend, custom_ops
+from transformer_engine_moe.module import moe
 
 import utils
 from baselines import BF16GroupedMMBlock
@@ -147,6 +160,84 @@ def host_profile(step, steps: int, sync, top: int = 25) -> list[dict]:
             for (f, line, fn), (_, nc, tt, ct, _) in ranked]
 
 
+# launchers --cpu-faked keeps real: their values (the routing map and its counts) size what follows
+KEPT_REAL = ("topk_routing", "routing_layout")
+
+
+@contextlib.contextmanager
+def faked_launches():
+    """Within: ``backend.REFERENCE``'s launchers (the CPU's) replaced by their fakes (``custom_ops``' shape
+    functions: outputs of the right shapes, dtypes and devices, nothing computed; an ``out`` argument returned as
+    given), except ``KEPT_REAL``. Yields ``{"kept_s": seconds inside the real ones, "experts_s": seconds from
+    FP8FlowMoE.routed_experts' entry to the first unpermute launch after it}``, accumulated; reset them per step.
+    Everything is put back on exit."""
+    clock = {"kept_s": 0.0, "experts_s": 0.0, "entered": None}
+    originals = {}
+
+    def fake_of(name, spec, real):
+        names = custom_ops._arguments(spec.schema)
+
+        def launch(*args, **kwargs):
+            if name == "unpermute" and clock["entered"] is not None:
+                clock["experts_s"] += time.perf_counter() - clock["entered"]
+                clock["entered"] = None
+            if name in KEPT_REAL:
+                t0 = time.perf_counter()
+                out = real(*args, **kwargs)
+                clock["kept_s"] += time.perf_counter() - t0
+                return out
+            values = list(args) + [kwargs.get(n) for n in names[len(args):]]
+            for arg, default in (("accumulate", False), ("out_dtype", torch.bfloat16)):
+                if arg in names and values[names.index(arg)] is None:
+                    values[names.index(arg)] = default
+            out = spec.fake(*values[:len(names)])
+            return values[names.index("out")] if "out" in names and values[names.index("out")] is not None else out
+
+        return launch
+
+    for name, spec in custom_ops._SPECS.items():
+        if hasattr(backend.REFERENCE, name):
+            originals[name] = getattr(backend.REFERENCE, name)
+            object.__setattr__(backend.REFERENCE, name, fake_of(name, spec, originals[name]))
+    routed = moe.FP8FlowMoE.routed_experts
+
+    def timed_routed(self, *args, **kwargs):
+        clock["entered"] = time.perf_counter()
+        return routed(self, *args, **kwargs)
+
+    moe.FP8FlowMoE.routed_experts = timed_routed
+    try:
+        yield clock
+    finally:
+        moe.FP8FlowMoE.routed_experts = routed
+        for name, real in originals.items():
+            object.__setattr__(backend.REFERENCE, name, real)
+
+
+def cpu_faked_rows(shape: dict, steps: int) -> list[dict]:
+    """``--cpu-faked``: per FP8-Flow block of ``make_blocks`` at ``shape`` (on the CPU), ``host_us`` (a step's host
+    time less the real routing's) and ``experts_us`` (``faked_launches``), medians and least over ``steps``."""
+    inputs = make_inputs(shape["tokens"], shape["hidden"], shape["experts"], shape["topk"], "cpu")
+    blocks = make_blocks(shape["experts"], shape["hidden"], shape["ffn"], shape["topk"], "cpu")
+    rows = []
+    with faked_launches() as clock:
+        for name, block in blocks.items():
+            if not name.startswith("fp8_flow"):  # torch's own ops (the BF16 block) have no fakes here
+                continue
+            step = utils.moe_step(block, *inputs, fp8_weights="cached")
+            host, experts = [], []
+            for i in range(steps + 3):
+                clock.update(kept_s=0.0, experts_s=0.0, entered=None)
+                t0 = time.perf_counter()
+                step()
+                if i >= 3:  # three warm-up steps
+                    host.append((time.perf_counter() - t0 - clock["kept_s"]) * 1e6)
+                    experts.append(clock["experts_s"] * 1e6)
+            rows.append(dict(shape, block=name, host_us=statistics.median(host), host_us_min=min(host),
+                             experts_us=statistics.median(experts), experts_us_min=min(experts)))
+    return rows
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", nargs="+", choices=list(CONFIGS), default=["deepseek_small"])
@@ -157,17 +248,23 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also cProfile each block's steps: bench_host_time_profile .json/.md")
     parser.add_argument("--gpu-idle", action="store_true",
                         help="also where the GPU idles between kernels (CUDA-only trace): bench_host_time_idle")
+    parser.add_argument("--cpu-faked", action="store_true",
+                        help="no GPU: the package's host path with its launches faked (bench_host_time_cpu)")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     for t in args.tokens or ():
         if t < 1:
             parser.error(f"--tokens must be positive, got {t}")
+    if args.cpu_faked and (args.profile_host or args.gpu_idle):
+        parser.error("--cpu-faked measures the CPU alone: without --profile-host and --gpu-idle")
     return args
 
 
 def main():
     args = parse_args()
+    if args.cpu_faked:
+        return main_cpu_faked(args)
     env = utils.environment()
     rows, host_rows, idle_rows = [], [], []
     for config in args.config:
@@ -221,6 +318,26 @@ def main():
                   "step: calls, own time (ms) and cumulative time (ms) of the 25 functions with the most own "
                   "time. cProfile slows Python down: compare functions within a row set, not with host_ms.")
         print(path.read_text())
+
+
+def main_cpu_faked(args: argparse.Namespace) -> None:
+    env = utils.environment({"device": "CPU, launches faked", "cpus": len(os.sched_getaffinity(0))})
+    rows = []
+    for config in args.config:
+        c = CONFIGS[config]
+        for tokens in args.tokens or c["tokens"]:
+            shape = dict(config=config, experts=c["experts"], hidden=c["hidden"], ffn=c["ffn"], topk=c["topk"],
+                         tokens=tokens)
+            rows += cpu_faked_rows(shape, args.steps)
+    path = utils.write_results(
+        "bench_host_time_cpu", "The package's host path per MoE layer step, launches faked (CPU)", env, {}, rows,
+        ["config", "experts", "hidden", "ffn", "topk", "tokens", "block", "host_us", "host_us_min", "experts_us",
+         "experts_us_min"],
+        notes="--cpu-faked: the package's launches replaced by their fakes (nothing computed), the routing real and "
+              "its time taken off; host_us per step, experts_us from routed_experts' entry to unpermute's launch; "
+              "median and least over --steps after three warm-up steps. A proxy of the host path's Python and "
+              "dispatch work for comparing versions on one machine, not of a GPU step's host time.")
+    print(path.read_text())
 
 
 if __name__ == "__main__":

@@ -70,3 +70,36 @@ def test_gpu_idle_finds_where_the_gpu_waits():
                                   dict(position=1, kernel="quantize", idle_us=0.0)]
     with pytest.raises(ValueError, match="gpu_idle needs 4 or more"):
         bench.gpu_idle(trace[:9])
+
+
+def test_cpu_faked_mode_arguments(capsys):
+    assert bench.parse_args(["--cpu-faked", "--tokens", "256"]).cpu_faked and not bench.parse_args([]).cpu_faked
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--cpu-faked", "--gpu-idle"])
+    assert "--cpu-faked measures the CPU alone" in capsys.readouterr().err
+
+
+def test_cpu_faked_rows_time_the_host_path_and_put_every_launcher_back():
+    """``--cpu-faked`` at toy size: a row per FP8-Flow block (the BF16 block's ops have no fakes), positive times,
+    the least at most the median; inside ``faked_launches`` the launchers are replaced, the routing's still computing
+    what the original does (its time counted), and outside every launcher and ``routed_experts`` are the originals."""
+    import torch
+    from transformer_engine_moe import backend
+    from transformer_engine_moe.module.moe import FP8FlowMoE
+
+    originals = {name: getattr(backend.REFERENCE, name) for name in ("grouped_gemm", "permute", "topk_routing")}
+    routed = FP8FlowMoE.routed_experts
+    shape = dict(config="toy", experts=4, hidden=128, ffn=128, topk=2, tokens=16)
+    rows = bench.cpu_faked_rows(shape, steps=3)
+    assert [r["block"] for r in rows] == ["fp8_flow_single_weight", "fp8_flow", "fp8_flow_single_weight_moe_expert"]
+    for r in rows:
+        assert 0 < r["host_us_min"] <= r["host_us"] and 0 < r["experts_us_min"] <= r["experts_us"], r
+    with bench.faked_launches() as clock:
+        assert backend.REFERENCE.grouped_gemm is not originals["grouped_gemm"]
+        assert backend.REFERENCE.permute is not originals["permute"] and FP8FlowMoE.routed_experts is not routed
+        assert clock == {"kept_s": 0.0, "experts_s": 0.0, "entered": None}
+        idx, w = torch.tensor([[0, 1], [2, -1]]), torch.rand(2, 2)
+        got, want = backend.REFERENCE.topk_routing(idx, w, 4), originals["topk_routing"](idx, w, 4)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and clock["kept_s"] > 0
+    assert all(getattr(backend.REFERENCE, name) is fn for name, fn in originals.items())
+    assert FP8FlowMoE.routed_experts is routed
