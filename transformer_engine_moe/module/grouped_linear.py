@@ -275,6 +275,9 @@ class GroupedLinear(nn.Module):
         self.backend = backend
         self.bias_dtype = params_dtype
         self.single_grouped_weight = single_grouped_weight
+        # the weight parameters' names, read from _parameters (nn.Module's __getattr__ costs about 1 us a name, and
+        # the G per-expert weights are read several times a step)
+        self._weight_keys = ("weight",) if single_grouped_weight else tuple(f"weight{i}" for i in range(num_gemms))
         self.requantize_in_backward = requantize_in_backward
         init = init_method or (lambda t: nn.init.kaiming_uniform_(t, a=5 ** 0.5))
         if single_grouped_weight:
@@ -306,12 +309,13 @@ class GroupedLinear(nn.Module):
         """The G ``[out_features, in_features]`` expert weights (views of ``weight`` when single)."""
         if self.single_grouped_weight:
             return list(self.weight.unbind(0))
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        return self.weight_params
 
     @property
     def weight_params(self) -> list[nn.Parameter]:
         """The weight parameters autograd sees: ``[weight]`` when single, else ``weight0..``."""
-        return [w for _, w in self._weight_names()]
+        params = self._parameters
+        return [params[key] for key in self._weight_keys]
 
     def fp8_weights(self, is_first_microbatch: Optional[bool] = None, transpose: bool = True
                     ) -> tuple[Float8BlockwiseQTensor, Optional[Float8BlockwiseQTensor]]:
@@ -451,7 +455,7 @@ class GroupedLinear(nn.Module):
         if not isinstance(inp, Float8BlockwiseQTensor) and inp.dtype not in (torch.bfloat16, torch.float16,
                                                                              torch.float32):
             raise TypeError(f"inp must be bf16/fp16/fp32 or a Float8BlockwiseQTensor, got {inp.dtype}")
-        device = self.weight_params[0].device
+        device = self._parameters[self._weight_keys[0]].device
         if inp.device != device:
             raise ValueError(f"inp is on {inp.device}, the weights on {device}: move one of them")
         if isinstance(inp, Float8BlockwiseQTensor) and (inp.is_2D_scaled or not inp.force_pow_2_scales
@@ -461,8 +465,8 @@ class GroupedLinear(nn.Module):
 
     def _weight_names(self) -> list[tuple[str, nn.Parameter]]:
         """``(name, parameter)`` of each weight parameter (``weight_params``)."""
-        return [("weight", self.weight)] if self.single_grouped_weight else \
-            [(f"weight{i}", w) for i, w in enumerate(self.weights)]
+        params = self._parameters
+        return [(key, params[key]) for key in self._weight_keys]
 
     def extra_repr(self) -> str:
         return (f"num_gemms={self.num_gemms}, in_features={self.in_features}, out_features={self.out_features}, "
