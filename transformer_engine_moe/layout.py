@@ -132,8 +132,11 @@ class HostSplits(list):
             raise TypeError(f"HostSplits takes ints, got {[type(s).__name__ for s in self if type(s) is not int][:1]}")
         if min(self) < 0:
             raise ValueError(f"HostSplits must be non-empty and >= 0, got {list(self)}")
-        self.total = sum(self)
-        self._multiple_of, self._padded, self._column_blocks = {}, {}, None
+        self._cache_facts({})
+
+    def _cache_facts(self, multiple_of: dict) -> None:
+        """The total, and the caches of the facts read later (``multiple_of`` what is known already)."""
+        self.total, self._multiple_of, self._padded, self._column_blocks = sum(self), multiple_of, {}, None
 
     @property
     def column_blocks(self) -> int:
@@ -157,8 +160,7 @@ class HostSplits(list):
         if align not in self._padded:
             out = HostSplits.__new__(HostSplits)
             list.__init__(out, [(s + align - 1) // align * align for s in self])  # ints >= 0: no check again
-            out.total, out._padded, out._column_blocks = sum(out), {}, None
-            out._multiple_of = {align: True}
+            out._cache_facts({align: True})
             self._padded[align] = out
         return self._padded[align]
 

@@ -10,8 +10,8 @@ group looked up once), per 128-column block reads the codes and the row scales, 
 column scales (from the rows with a nonzero code), shifts the codes by the per-row exponent difference and stores them
 transposed into the group's own ``[K, m_g]`` block, CHUNKS column slices at a time (each slice's codes read
 again, from L1/L2: on 2 warps a whole 128x128 block re-encoded at once spilled 1.6 kB a thread at 255 registers;
-ptxas for sm_90). One read of FP8 from memory and one write. Those transposed stores are 16-byte vectors only when the compiler
-can prove the group's first row and size multiples of 16: a run-time branch rewrites them
+ptxas for sm_90). One read of FP8 from memory and one write. Those transposed stores are 16-byte vectors only
+when the compiler can prove the group's first row and size multiples of 16: a run-time branch rewrites them
 as ``x // 16 * 16`` when they are (padded experts always are); ragged groups take the
 general path, correct but with byte stores.
 
