@@ -131,15 +131,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, m_splits, module, weight_fp8, weight_t, requantize, bias, *weights):
         # no autograd Function inside this one (torch.compile could not trace it): quantize, transpose as raw ops
-        # weight_fp8 None: a recompute's rerun (GroupedLinear.recompute_saved_input): no GEMM, an empty output
         x = inp if isinstance(inp, Float8BlockwiseQTensor) else quantize_in_function(
             inp.contiguous(), module.quantizers[Role.INPUT].args)
-        if weight_fp8 is None:
-            out = torch.empty(0, dtype=inp.dtype, device=inp.device)
-        else:
-            out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
-            if bias is not None:
-                out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
+        out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
+        if bias is not None:
+            out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
         ctx.wgrad = any(ctx.needs_input_grad[7:]) or module.fuse_wgrad_accumulation
         ctx.impl = implementation("auto", x, "GroupedLinear")  # the scaling-aware transposes of x and dy
         if ctx.wgrad:  # only wgrad reads the input: its rowwise FP8 copy, transposed in backward (same bytes)
@@ -157,8 +153,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         module, m_splits = ctx.module, ctx.m_splits
-        # saved tensors first: under a recompute (moe_expert) unpacking them reruns the checkpointed forward,
-        # which is then alive next to grad_out alone, not also next to dy, dgrad and dy^T (peak memory)
+        # saved tensors first: under a recompute (moe_expert's fc2) unpacking them reruns the recomputed ops,
+        # which are then alive next to grad_out alone, not also next to dy, dgrad and dy^T (peak memory)
         saved = ctx.saved_tensors
         weight, ctx.weight_bwd = ctx.weight_bwd, None
         if weight is None and not ctx.requantize:
@@ -428,21 +424,9 @@ class GroupedLinear(nn.Module):
             check_disjoint([w.main_grad for _, w in named], [f"{name}.main_grad" for name, _ in named])
             self._main_grad_addresses = addresses
 
-    def recompute_saved_input(self, inp: Union[torch.Tensor, Float8BlockwiseQTensor],
-                              m_splits: Union[Sequence[int], torch.Tensor]) -> None:
-        """Inside the rerun of a non-reentrant ``torch.utils.checkpoint`` whose first pass called
-        ``forward(inp, m_splits, ...)``: regenerate only what that forward saved for backward (the input's
-        FP8 rowwise copy, which backward transposes), without the GEMM or the FP8 weights. The autograd node it
-        makes saves the same tensors in the same order, so checkpoint's early stop ends the rerun here when they are the
-        region's last (``FP8FlowMoE``'s ``moe_expert``: fc2); the first pass's backward reads them. Same
-        input checks as ``forward``."""
-        self._check_input(inp)
-        self._function(inp, m_splits, None, None)
-
     def _function(self, inp, m_splits, w, w_t, requantize: bool = False):
-        """The autograd Function over ``inp``, ``m_splits`` (a tuple as a list), FP8 ``w``/``w_t`` (None: a
-        rerun without GEMM; ``requantize``: backward quantizes the weights again, nothing kept), the stacked
-        biases and the weight parameters."""
+        """The autograd Function over ``inp``, ``m_splits`` (a tuple as a list), FP8 ``w``/``w_t`` (``requantize``:
+        backward quantizes the weights again, nothing kept), the stacked biases and the weight parameters."""
         bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
         return _GroupedLinearFunction.apply(inp, list(m_splits) if isinstance(m_splits, tuple) else m_splits, self,
                                             w, w_t, requantize, bias, *self.weight_params)
