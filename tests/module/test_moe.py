@@ -121,6 +121,30 @@ def test_moe_expert_rerun_skips_fc2s_gemm_and_weights(monkeypatch, flag):
         assert all(torch.equal(u, v) for u, v in zip(us, vs))
 
 
+def test_moe_expert_with_nothing_before_fc2_needing_a_gradient_trains_fc2_as_without_recompute():
+    """fc1 frozen and neither the tokens nor the probs needing a gradient: ``moe_expert``'s node gets no autograd
+    node (nothing to differentiate before fc2), so fc2 keeps its FP8 input as without recompute (no rerun to ask);
+    fc2's gradients bit for bit the plain block's, fc1 none."""
+    fp8, _ = pair()
+    x, ids, probs = batch(5)
+    for p in fp8.linear_fc1.parameters():
+        p.requires_grad_(False)
+
+    def run():
+        for p in fp8.parameters():
+            p.grad = None
+        y = fp8.forward_topk(x.clone(), ids, probs.clone())
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(6)).bfloat16())
+        return y.detach(), weight_grads(fp8.linear_fc2)
+
+    plain = run()
+    fp8.recompute = "moe_expert"
+    fp8.linear_fc1.requantize_in_backward = fp8.linear_fc2.requantize_in_backward = True
+    recomputed = run()
+    assert torch.equal(plain[0], recomputed[0]) and all(torch.equal(u, v) for u, v in zip(plain[1], recomputed[1]))
+    assert all(p.grad is None for p in fp8.linear_fc1.parameters())
+
+
 @pytest.mark.parametrize("recompute,hybrid", [(None, False), ("moe_expert", True)], ids=["e4m3", "moe_expert-hybrid"])
 def test_expert_gemms_take_their_output_gradients_quantized_bitwise(monkeypatch, recompute, hybrid):
     """unpermute's backward quantizes each token's output gradient once and permutes the FP8 rows to fc2, and

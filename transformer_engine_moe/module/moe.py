@@ -36,6 +36,7 @@ and replayed with other routings (docs/moe.md, CUDA graphs).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Optional
 
@@ -230,7 +231,10 @@ class FP8FlowMoE(nn.Module):
             mlp = _RerunnableMLP(self, tokens_per_expert, is_first_microbatch, routing)
             act, row_id_map, pad_offsets = _RecomputedExperts.apply(mlp, hidden, topk_ids, topk_probs,
                                                                     *self.linear_fc1.weight_params)
-            with torch.autograd.graph.saved_tensors_hooks(*mlp.fc2_input_hooks(act)):
+            # no node (nothing before fc2 needs a gradient, or no autograd): fc2 keeps act as it would without
+            # recompute, as there is no rerun to ask
+            with torch.autograd.graph.saved_tensors_hooks(*mlp.fc2_input_hooks(act)) if act.requires_grad \
+                    else contextlib.nullcontext():
                 y = self.linear_fc2(act, mlp.padded, is_first_microbatch)
         finally:  # weights prefetched for a call that raised are never used later
             self.drop_prefetched_fp8_weights()
