@@ -121,6 +121,30 @@ def test_moe_expert_rerun_skips_fc2s_gemm_and_weights(monkeypatch, flag):
         assert all(torch.equal(u, v) for u, v in zip(us, vs))
 
 
+def test_moe_expert_queues_fc2s_dgrad_before_its_rerun(monkeypatch):
+    """Under ``moe_expert`` fc2's backward queues its dgrad GEMM before it asks for its saved input (the rerun's
+    permute -> fc1 -> SwiGLU), so the GPU has that GEMM while the host issues the rerun; outputs and gradients bit
+    for bit the block without recompute."""
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
+    import transformer_engine_moe.module.moe as moe
+
+    plain = step(pair()[0], *batch(7))
+    block, _ = pair(recompute="moe_expert")
+    assert block.linear_fc2.dgrad_before_saved_input and not block.linear_fc1.dgrad_before_saved_input
+    order, real_gemm, real_permute = [], grouped_linear.grouped_gemm, moe.moe_permute_and_pad_with_probs
+    monkeypatch.setattr(grouped_linear, "grouped_gemm",
+                        lambda *a, **kw: order.append(("gemm", tuple(a[1].shape[1:]))) or real_gemm(*a, **kw))
+    monkeypatch.setattr(moe, "moe_permute_and_pad_with_probs",
+                        lambda *a, **kw: order.append(("permute",)) or real_permute(*a, **kw))
+    recomputed = step(block, *batch(7))
+    fc2_dgrad = ("gemm", (FFN, H))  # dgrad takes W^T [K, N]
+    assert order.index(fc2_dgrad) < [i for i, o in enumerate(order) if o == ("permute",)][1]  # before the rerun's
+    for u, v in zip(plain[:3], recomputed[:3]):
+        assert torch.equal(u, v)
+    for us, vs in zip(plain[3:5], recomputed[3:5]):
+        assert all(torch.equal(u, v) for u, v in zip(us, vs))
+
+
 def test_moe_expert_with_nothing_before_fc2_needing_a_gradient_trains_fc2_as_without_recompute():
     """fc1 frozen and neither the tokens nor the probs needing a gradient: ``moe_expert``'s node gets no autograd
     node (nothing to differentiate before fc2), so fc2 keeps its FP8 input as without recompute (no rerun to ask);

@@ -153,9 +153,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         module, m_splits = ctx.module, ctx.m_splits
-        # saved tensors first: under a recompute (moe_expert's fc2) unpacking them reruns the recomputed ops,
-        # which are then alive next to grad_out alone, not also next to dy, dgrad and dy^T (peak memory)
-        saved = ctx.saved_tensors
+        # saved tensors first: under a recompute unpacking them reruns the recomputed ops, which are then alive next
+        # to grad_out alone, not also next to dy, dgrad and dy^T (peak memory); with ``dgrad_before_saved_input``
+        # after dgrad and dy^T are queued, so the GPU runs them while the host issues the rerun
+        saved = None if module.dgrad_before_saved_input else ctx.saved_tensors
         weight, ctx.weight_bwd = ctx.weight_bwd, None
         if weight is None and not ctx.requantize:
             raise RuntimeError("GroupedLinear's backward ran twice through one graph: it drops its FP8 weights "
@@ -178,7 +179,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dy_t = _columnwise(dy, *ctx.impl.scaling_aware_transpose(dy.rowwise_data, dy.rowwise_scale_inv, m_splits),
                                m_splits)
             del dy
-            data, scale = ctx.impl.scaling_aware_transpose(*saved, m_splits)
+            data, scale = ctx.impl.scaling_aware_transpose(*(saved or ctx.saved_tensors), m_splits)
             del saved
             shape, dtype, fp8_dtype, pow2 = ctx.x_meta
             x_t = Float8BlockwiseQTensor(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, force_pow_2_scales=pow2,
@@ -275,6 +276,9 @@ class GroupedLinear(nn.Module):
         # the G per-expert weights are read several times a step)
         self._weight_keys = ("weight",) if single_grouped_weight else tuple(f"weight{i}" for i in range(num_gemms))
         self.requantize_in_backward = requantize_in_backward
+        # backward reads the saved input after its dgrad GEMM and dY^T are queued (FP8FlowMoE's fc2 under moe_expert,
+        # whose saved input is a rerun: the GPU then has work while the host issues it; more memory at that point)
+        self.dgrad_before_saved_input = False
         init = init_method or (lambda t: nn.init.kaiming_uniform_(t, a=5 ** 0.5))
         if single_grouped_weight:
             self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, dtype=params_dtype,
