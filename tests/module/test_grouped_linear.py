@@ -392,6 +392,52 @@ def test_wgrad_operands_are_columnwise_only(monkeypatch):
     assert seen == [(("columnwise",), ("columnwise",))]
 
 
+@pytest.mark.parametrize("in_forward", [True, False], ids=["input-transposed-in-forward", "in-backward"])
+def test_transposes_are_queued_before_the_gemms(monkeypatch, in_forward):
+    """The forward queues its input's scaling-aware transpose before its GEMM (the GPU runs it while the host issues
+    the GEMM) and saves it, and backward dY^T before the dgrad GEMM; with ``transpose_input_in_forward`` off the
+    forward saves the rowwise copy and backward transposes it after the dgrad. Same outputs and gradients, bit for
+    bit; no transpose in a forward without grad mode (inference)."""
+    import dataclasses
+
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
+
+    calls = []
+    real_gemm, real_impl = grouped_linear.grouped_gemm, grouped_linear.implementation
+
+    def impl(*a, **kw):
+        found = real_impl(*a, **kw)
+        t = found.scaling_aware_transpose
+        return dataclasses.replace(found, scaling_aware_transpose=lambda d, *b: calls.append(f"T{d.shape[1]}") or
+                                   t(d, *b))
+
+    monkeypatch.setattr(grouped_linear, "implementation", impl)
+    monkeypatch.setattr(grouped_linear, "grouped_gemm", lambda *a, **kw: calls.append("gemm") or real_gemm(*a, **kw))
+    splits = [128, 0, 128]
+    gl, x = setup(splits, k=256, n=128)
+    dy = torch.randn(x.shape[0], 128, device=KERNEL_DEVICE, dtype=torch.bfloat16)
+
+    def run(flag):
+        gl.transpose_input_in_forward = flag
+        for w in gl.weights:
+            w.grad = None
+        xi = x.clone().requires_grad_()
+        y = gl(xi, splits)
+        y.backward(dy)
+        return [y, xi.grad] + [w.grad for w in gl.weights]
+
+    other = run(not in_forward)
+    calls.clear()
+    ours = run(in_forward)
+    # T256: the input's [M, K=256] transpose; T128: dY's [M, N=128]
+    assert calls == (["T256", "gemm", "T128", "gemm"] if in_forward else ["gemm", "T128", "gemm", "T256"])
+    assert all(torch.equal(a, b) for a, b in zip(ours, other))
+    calls.clear()
+    with torch.no_grad():
+        gl(x, splits)
+    assert calls == ["gemm"]
+
+
 @pytest.mark.parametrize("pow2", [True, False], ids=["pow2-taken-as-is", "other-scales-requantized"])
 def test_output_gradient_arriving_quantized(pow2):
     """An output gradient that arrives as a rowwise 1x128 FP8 tensor with power-of-two scales (``moe_unpermute``'s

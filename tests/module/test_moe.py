@@ -103,6 +103,7 @@ def test_moe_expert_rerun_skips_fc2s_gemm_and_weights(monkeypatch, flag):
     plain = step(fp8, x, ids, probs)
     fp8.recompute = "moe_expert"  # as FP8FlowMoE(recompute="moe_expert") builds its linears:
     fp8.linear_fc1.requantize_in_backward = fp8.linear_fc2.requantize_in_backward = True
+    fp8.linear_fc2.dgrad_before_saved_input, fp8.linear_fc2.transpose_input_in_forward = True, False
     gemms, weights = [], []
     real_gemm, real_q = grouped_linear.grouped_gemm, grouped_linear.quantize_grouped_weight
     monkeypatch.setattr(grouped_linear, "grouped_gemm",
@@ -113,8 +114,9 @@ def test_moe_expert_rerun_skips_fc2s_gemm_and_weights(monkeypatch, flag):
     recomputed = step(fp8, x, ids, probs)
     fc1, fc2 = (2 * FFN, H), (H, FFN)  # [N, K] of each forward GEMM's weight; dgrads take [K, N]
     assert sorted(gemms) == sorted([fc1, fc2, fc1, fc2[::-1], fc1[::-1]])
-    # without a cache: fc1 and fc2 forward, fc1's rerun, and each dgrad's own (no FP8 weight kept from forward)
-    assert weights == [fc1, fc2] + ([fc1, fc2, fc1] if flag is None else [])
+    # without a cache: fc1 and fc2 forward, then each dgrad's own (no FP8 weight kept from forward) with fc1's rerun
+    # between them (fc2's dgrad is queued before it reads its input from the rerun)
+    assert weights == [fc1, fc2] + ([fc2, fc1, fc1] if flag is None else [])
     for u, v in zip(plain[:3], recomputed[:3]):
         assert torch.equal(u, v)
     for us, vs in zip(plain[3:5], recomputed[3:5]):

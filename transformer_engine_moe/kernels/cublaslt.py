@@ -37,6 +37,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from . import is_hopper
+
 # The C enums used (cublasLt.h, library_types.h, cublas_api.h; checked against CUDA 13.0's, cuBLAS 13.0.2)
 _R_32F, _COMPUTE_32F = 0, 68
 _TYPES = {torch.float8_e4m3fn: 28, torch.float8_e5m2: 29, torch.bfloat16: 14, torch.float32: _R_32F}
@@ -101,7 +103,7 @@ def available(device: torch.device) -> bool:
     """Whether ``grouped_gemm`` and ``grouped_wgrad`` can run on ``device``: a Hopper (SM90) GPU and cuBLASLt >= 12.9
     in the process."""
     return (device.type == "cuda" and torch.version.cuda is not None
-            and torch.cuda.get_device_capability(device)[0] == 9 and _library() is not None)
+            and is_hopper(device) and _library() is not None)
 
 
 class _Context:

@@ -31,6 +31,7 @@ import functools
 
 import torch
 
+from . import is_hopper
 from ..layout import all_multiples_of, check_on_device, m_splits_tensor, row_groups
 
 
@@ -58,13 +59,7 @@ def import_error() -> ImportError:
 @torch.compiler.assume_constant_result
 def available(device: torch.device) -> bool:
     """Whether DeepGEMM can run on ``device``: importable, and a Hopper (SM90) GPU."""
-    return _hopper(device) and _module() is not None
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper(device: torch.device) -> bool:
-    """Whether ``device`` is an SM90 GPU (asked once per device: several calls a step, each a properties lookup)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+    return is_hopper(device) and _module() is not None
 
 
 @torch.compiler.assume_constant_result

@@ -30,6 +30,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 from ..layout import num_column_blocks
+from . import is_hopper
 from .grouped_gemm import swizzled_tile, zero_weightless_rows
 from .groups import group_sizes_arg
 
@@ -49,7 +50,7 @@ def available(device: torch.device) -> bool:
 @functools.lru_cache(maxsize=None)
 def _available(device: torch.device) -> bool:
     return (device.type == "cuda" and triton.__version__.startswith(TRITON_VERSION)
-            and torch.cuda.get_device_capability(device)[0] == 9)
+            and is_hopper(device))
 
 
 def supports(a_dtype: torch.dtype, b_dtype: torch.dtype, n: int, out_dtype: torch.dtype) -> bool:

@@ -11,16 +11,20 @@ used as is, never dequantized. Per step:
   grouped_gemm(inp, W)`` in BF16 (or the input's dtype), W dropped after it. Kept for
   backward: W^T (dgrad's operand: one FP8 copy of the weights lives across the step;
   W alone in recompute's first pass, ``fp8_weights``) and, when a weight gradient is
-  wanted, the input's FP8 rowwise copy, which backward transposes (scaling-aware:
-  expert-major 128x1, what wgrad reads). TE keeps the columnwise copy alone; the bytes are
-  the same, and transposing in backward takes a launch off the forward, whose host time
-  bounds the step at small experts (docs/megatron.md), and off a ``moe_expert`` first pass,
-  whose saved tensors are dropped.
+  wanted, the input's scaling-aware transpose (expert-major 128x1, what wgrad reads; the
+  same bytes as the input), made before the GEMM, as TE makes an input's columnwise usage in
+  forward. At small experts the host bounds the forward after the permute (docs/megatron.md):
+  the GPU runs the transpose while the host issues the GEMM, where it would idle, and backward,
+  where the GPU is busy, runs it no more. ``transpose_input_in_forward = False`` keeps the
+  rowwise copy and transposes it in backward (``FP8FlowMoE``'s fc2 under ``moe_expert``,
+  whose input the rerun makes again).
 - backward: the output gradient is quantized 1x128 (E4M3, or E5M2 for the HYBRID
   recipe), or taken as it comes when it arrives so quantized (``FP8FlowMoE``'s unpermute
-  quantizes it per token and permutes FP8 rows); dgrad ``dX = dY @ W_g`` through W^T (a byte transpose of W where W was
-  kept), dropped right after the dgrad GEMM; wgrad ``dW_g = dY_g^T X_g`` from the
-  scaling-aware transposes of dY and of the kept input. With
+  quantizes it per token and permutes FP8 rows), and its scaling-aware transpose queued before
+  the dgrad GEMM (the GPU runs it while the host issues that GEMM: fc2's, the backward's first);
+  dgrad ``dX = dY @ W_g`` through W^T (a byte transpose of W where W was kept), dropped right
+  after the dgrad GEMM; wgrad ``dW_g = dY_g^T X_g`` from the
+  scaling-aware transposes of dY and of the input. With
   ``fuse_wgrad_accumulation``, wgrad is added into each weight's ``main_grad``
   (Megatron), or written over it where the weights have ``overwrite_main_grad`` set
   (Megatron-FSDP), and ``.grad`` gets a zero placeholder, as in TE (an empty sparse one for a
@@ -42,7 +46,7 @@ import torch
 from torch import nn
 
 from ..backend import implementation
-from ..layout import MSplits, address_table, m_splits_tensor, row_groups
+from ..layout import MSplits, address_table, check_m_splits, m_splits_tensor, row_groups
 from ..ops.grouped_gemm import GEMM_BACKENDS, check_disjoint, grouped_gemm, grouped_gemm_wgrad
 from ..ops.quantize import quantize_grouped_weight, quantize_in_function
 from ..ops.transpose import transpose_grouped_weight
@@ -129,18 +133,23 @@ def _placeholder_wgrad(weight: torch.Tensor) -> torch.Tensor:
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, m_splits, module, weight_fp8, weight_t, requantize, bias, *weights):
+    def forward(ctx, inp, m_splits, module, weight_fp8, weight_t, requantize, grad_enabled, bias, *weights):
         # no autograd Function inside this one (torch.compile could not trace it): quantize, transpose as raw ops
         x = inp if isinstance(inp, Float8BlockwiseQTensor) else quantize_in_function(
             inp.contiguous(), module.quantizers[Role.INPUT].args)
+        # grad_enabled: the caller's grad mode (this forward runs without it; needs_input_grad does not say)
+        ctx.wgrad = grad_enabled and (any(ctx.needs_input_grad[8:]) or module.fuse_wgrad_accumulation)
+        ctx.impl = implementation("auto", x, "GroupedLinear")  # the scaling-aware transposes of x and dy
+        ctx.input_transposed = ctx.wgrad and module.transpose_input_in_forward
+        if ctx.input_transposed:  # split by m_splits before the GEMM, which checks them too
+            m_splits = check_m_splits(m_splits, x.shape[0], device=x.device)
+        if ctx.wgrad:  # only wgrad reads the input, 128x1: its scaling-aware transpose (the same bytes as x)
+            ctx.save_for_backward(*(ctx.impl.scaling_aware_transpose(x.rowwise_data, x.rowwise_scale_inv, m_splits)
+                                    if ctx.input_transposed else (x.rowwise_data, x.rowwise_scale_inv)))
+            ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.force_pow_2_scales)
         out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
         if bias is not None:
             out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
-        ctx.wgrad = any(ctx.needs_input_grad[7:]) or module.fuse_wgrad_accumulation
-        ctx.impl = implementation("auto", x, "GroupedLinear")  # the scaling-aware transposes of x and dy
-        if ctx.wgrad:  # only wgrad reads the input: its rowwise FP8 copy, transposed in backward (same bytes)
-            ctx.save_for_backward(x.rowwise_data, x.rowwise_scale_inv)
-            ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.force_pow_2_scales)
         # not saved_tensors (a cached copy is reused, never re-saved): W^T, or W where no W^T was made; nothing
         # where backward quantizes the weights again (requantize_in_backward without a cache)
         ctx.requantize = requantize
@@ -155,7 +164,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         module, m_splits = ctx.module, ctx.m_splits
         # saved tensors first: under a recompute unpacking them reruns the recomputed ops, which are then alive next
         # to grad_out alone, not also next to dy, dgrad and dy^T (peak memory); with ``dgrad_before_saved_input``
-        # after dgrad and dy^T are queued, so the GPU runs them while the host issues the rerun
+        # after dy^T and dgrad are queued, so the GPU runs them while the host issues the rerun
         saved = None if module.dgrad_before_saved_input else ctx.saved_tensors
         weight, ctx.weight_bwd = ctx.weight_bwd, None
         if weight is None and not ctx.requantize:
@@ -163,6 +172,11 @@ class _GroupedLinearFunction(torch.autograd.Function):
                                "after the dgrad GEMM (as TransformerEngine frees its FP8 tensors in backward), so "
                                "backward with retain_graph=True a second time is not supported")
         dy = _quantized_grad(grad_out, module.quantizers[Role.GRAD].args)
+        if ctx.wgrad:
+            # dy^T before the dgrad GEMM: the GPU runs it while the host issues that GEMM (where the backward's first
+            # GEMM waited for its host); dy^T alone is kept (no rowwise copy), dy's bytes go after the dgrad
+            dy_t = _columnwise(dy, *ctx.impl.scaling_aware_transpose(dy.rowwise_data, dy.rowwise_scale_inv, m_splits),
+                               m_splits)
         dgrad = None
         if ctx.needs_input_grad[0]:
             if ctx.requantize:  # the weights as the forward quantized them (they do not change in between)
@@ -172,15 +186,13 @@ class _GroupedLinearFunction(torch.autograd.Function):
                     if ctx.transpose_in_backward else weight
             dgrad = grouped_gemm(dy, weight_t, m_splits, out_dtype=grad_out.dtype, backend=module.backend)
             del weight_t
-        del weight  # the wgrad output below need not coexist with the FP8 weights (peak memory)
+        del weight, dy  # the wgrad output below need not coexist with the FP8 weights and dy (peak memory)
         dweights = [None] * len(ctx.weights)
         if ctx.wgrad:
-            # dy^T alone (no rowwise copy): dy's rowwise bytes are freed with dy (peak memory)
-            dy_t = _columnwise(dy, *ctx.impl.scaling_aware_transpose(dy.rowwise_data, dy.rowwise_scale_inv, m_splits),
-                               m_splits)
-            del dy
-            data, scale = ctx.impl.scaling_aware_transpose(*(saved or ctx.saved_tensors), m_splits)
+            data, scale = saved or ctx.saved_tensors
             del saved
+            if not ctx.input_transposed:
+                data, scale = ctx.impl.scaling_aware_transpose(data, scale, m_splits)
             shape, dtype, fp8_dtype, pow2 = ctx.x_meta
             x_t = Float8BlockwiseQTensor(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, force_pow_2_scales=pow2,
                                          columnwise_data=data, columnwise_scale_inv=scale,
@@ -209,7 +221,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             dbias = torch.zeros((module.num_gemms + 1, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
             g = grad_out.dequantize() if isinstance(grad_out, Float8BlockwiseQTensor) else grad_out.float()
             dbias = dbias.index_add_(0, rows, g)[:-1].to(module.bias_dtype)  # row G: weightless
-        return (dgrad, None, None, None, None, None, dbias, *dweights)
+        return (dgrad, None, None, None, None, None, None, dbias, *dweights)
 
 
 class GroupedLinear(nn.Module):
@@ -279,6 +291,10 @@ class GroupedLinear(nn.Module):
         # backward reads the saved input after its dgrad GEMM and dY^T are queued (FP8FlowMoE's fc2 under moe_expert,
         # whose saved input is a rerun: the GPU then has work while the host issues it; more memory at that point)
         self.dgrad_before_saved_input = False
+        # the forward saves its input transposed for wgrad (TE's columnwise usage, made in forward); off: it saves the
+        # rowwise copy and backward transposes it (FP8FlowMoE's fc2 under moe_expert, whose saved input the rerun
+        # makes again: saved_tensors_hooks stand in for act's rowwise bytes)
+        self.transpose_input_in_forward = True
         init = init_method or (lambda t: nn.init.kaiming_uniform_(t, a=5 ** 0.5))
         if single_grouped_weight:
             self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, dtype=params_dtype,
@@ -433,7 +449,7 @@ class GroupedLinear(nn.Module):
         backward quantizes the weights again, nothing kept), the stacked biases and the weight parameters."""
         bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
         return _GroupedLinearFunction.apply(inp, list(m_splits) if isinstance(m_splits, tuple) else m_splits, self,
-                                            w, w_t, requantize, bias, *self.weight_params)
+                                            w, w_t, requantize, torch.is_grad_enabled(), bias, *self.weight_params)
 
     def _check_input(self, inp) -> None:
         if not isinstance(inp, torch.Tensor):
