@@ -162,10 +162,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         module, m_splits = ctx.module, ctx.m_splits
-        # saved tensors first: under a recompute unpacking them reruns the recomputed ops, which are then alive next
-        # to grad_out alone, not also next to dy, dgrad and dy^T (peak memory); with ``dgrad_before_saved_input``
-        # after dy^T and dgrad are queued, so the GPU runs them while the host issues the rerun
-        saved = None if module.dgrad_before_saved_input else ctx.saved_tensors
+        # saved tensors first: under a recompute (moe_expert's fc2) unpacking them reruns the recomputed ops,
+        # which are then alive next to grad_out alone, not also next to dy, dgrad and dy^T (peak memory; queued
+        # before the rerun, fc2's dgrad and dy^T cost 0.8 GB more at dsv3_ep8_rank's shapes, H200)
+        saved = ctx.saved_tensors
         weight, ctx.weight_bwd = ctx.weight_bwd, None
         if weight is None and not ctx.requantize:
             raise RuntimeError("GroupedLinear's backward ran twice through one graph: it drops its FP8 weights "
@@ -189,8 +189,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         del weight, dy  # the wgrad output below need not coexist with the FP8 weights and dy (peak memory)
         dweights = [None] * len(ctx.weights)
         if ctx.wgrad:
-            data, scale = saved or ctx.saved_tensors
-            del saved
+            (data, scale), saved = saved, None
             if not ctx.input_transposed:
                 data, scale = ctx.impl.scaling_aware_transpose(data, scale, m_splits)
             shape, dtype, fp8_dtype, pow2 = ctx.x_meta
@@ -288,9 +287,6 @@ class GroupedLinear(nn.Module):
         # the G per-expert weights are read several times a step)
         self._weight_keys = ("weight",) if single_grouped_weight else tuple(f"weight{i}" for i in range(num_gemms))
         self.requantize_in_backward = requantize_in_backward
-        # backward reads the saved input after its dgrad GEMM and dY^T are queued (FP8FlowMoE's fc2 under moe_expert,
-        # whose saved input is a rerun: the GPU then has work while the host issues it; more memory at that point)
-        self.dgrad_before_saved_input = False
         # the forward saves its input transposed for wgrad (TE's columnwise usage, made in forward); off: it saves the
         # rowwise copy and backward transposes it (FP8FlowMoE's fc2 under moe_expert, whose saved input the rerun
         # makes again: saved_tensors_hooks stand in for act's rowwise bytes)

@@ -133,9 +133,7 @@ class FP8FlowMoE(nn.Module):
         self.linear_fc2 = GroupedLinear(self.num_local_experts, ffn_hidden_size, hidden_size,
                                         init_method=init_method if output_init_method is None else output_init_method,
                                         **common)
-        # fc2's saved input is moe_expert's rerun (routed_experts): saved rowwise, as act's bytes the hooks stand in
-        # for, and read after its dy^T and dgrad are on the GPU
-        self.linear_fc2.dgrad_before_saved_input = recompute == "moe_expert"
+        # fc2's saved input is moe_expert's rerun (routed_experts): saved rowwise, as act's bytes the hooks stand in for
         self.linear_fc2.transpose_input_in_forward = recompute != "moe_expert"
 
     # ------------------------------------------------------------------ phases
