@@ -14,7 +14,7 @@ wgrad fusion, as the Megatron runs of this repository, or with ``--fuse-wgrad-ac
 - ``fp8_flow_graph_single_weight``: that block through ``GraphedFP8FlowMoE``;
 - ``fp8_flow_graph``: the same with one weight per expert (autograd and DDP's hook still run per parameter);
 - ``fp8_flow_single_weight_moe_expert`` / ``fp8_flow_graph_single_weight_moe_expert``: the first and the third with
-  ``recompute="moe_expert"`` (the graphs capture its node, the backward's rerun included);
+  ``recompute="moe_expert"`` (the graphs capture the checkpoint, the backward's rerun included);
 - ``bf16_grouped_mm`` (``BASELINE``): the strongest BF16 block (``baselines.BF16GroupedMMBlock``, eager, no host
   sync) over the same experts and routing (its ``forward_topk`` takes the ids the router's map was made from),
   under the same gradient contract.

@@ -138,12 +138,12 @@ def test_moe_expert_recompute_wraps_the_experts_phase(world_of_one, monkeypatch)
     backward), the rerun reusing the FP8 weights the forward cached; both on the dispatch's map and layout, the
     rerun with the probs made again from the ids (the forward's are not kept)."""
     layer = _layer(_config(**OPTIONS["moe_expert"]))
-    calls, to_act = [], layer.experts._mlp_to_act  # (hidden, ids, probs, counts, is_first_microbatch, routing)
-    monkeypatch.setattr(layer.experts, "_mlp_to_act", lambda *a: calls.append(a) or to_act(*a))
+    calls, mlp = [], layer.experts._mlp
+    monkeypatch.setattr(layer.experts, "_mlp", lambda *a, **kw: calls.append((a[-1], kw)) or mlp(*a, **kw))
     _run(layer, torch.randn(32, 2, 128), torch.randn(32, 2, 128), _phases)
-    assert [a[4] for a in calls] == [True, False]  # the first micro-batch caches; the rerun reads the cache
-    (map, probs, layout), (rmap, rprobs, rlayout) = calls[0][5], calls[1][5]
-    assert layout is not None and rlayout is layout and rmap is map and rprobs is not probs
+    assert [(first, sorted(kw)) for first, kw in calls] == [(True, ["routing"]), (False, ["rerun", "routing"])]
+    (map, probs, layout), (rmap, rprobs, rlayout) = calls[0][1]["routing"], calls[1][1]["routing"]
+    assert layout is not None and rlayout is layout and rmap is map and rprobs is not probs and calls[1][1]["rerun"]
     assert torch.equal(rprobs, probs)
 
 

@@ -375,6 +375,44 @@ def test_fp8_weights_are_dropped_after_dgrad_and_a_second_backward_says_so():
         y.sum().backward()
 
 
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "full-rerun"])
+def test_recompute_saved_input_regenerates_what_backward_reads_without_the_gemm(monkeypatch, early_stop):
+    """A checkpointed FP8 input -> GroupedLinear whose rerun calls ``recompute_saved_input``: the rerun runs no
+    GEMM and quantizes no weights, and the gradients are bit for bit those of the plain call."""
+    import torch.utils.checkpoint as checkpoint
+    import transformer_engine_moe.module.grouped_linear as grouped_linear
+
+    splits = [128, 0, 256]
+    gl, x = setup(splits)
+    dy = torch.randn(sum(splits), gl.out_features, device=x.device, dtype=torch.bfloat16)
+
+    def grads(checkpointed):
+        gl.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        passes = []
+
+        def fn(t):
+            q = gl.quantizers[grouped_linear.Role.INPUT](t * 2)
+            if passes:
+                return gl.recompute_saved_input(q, splits)
+            passes.append(1)
+            return gl(q, splits)
+
+        y = checkpoint.checkpoint(fn, xi, use_reentrant=False) if checkpointed else fn(xi)
+        y.backward(dy)
+        return [xi.grad] + [w.grad for w in gl.weights]
+
+    plain = grads(False)
+    calls = []
+    for name in ("grouped_gemm", "quantize_grouped_weight"):
+        monkeypatch.setattr(grouped_linear, name, lambda *a, real=getattr(grouped_linear, name), name=name, **kw:
+                            calls.append(name) or real(*a, **kw))
+    with checkpoint.set_checkpoint_early_stop(early_stop):
+        recomputed = grads(True)
+    assert sorted(calls) == ["grouped_gemm", "grouped_gemm", "quantize_grouped_weight"]  # forward, dgrad; weights once
+    assert all(torch.equal(a, b) for a, b in zip(plain, recomputed))
+
+
 def test_wgrad_operands_are_columnwise_only(monkeypatch):
     """Forward keeps only X^T for wgrad, and backward hands wgrad dY^T without dY's rowwise bytes: nothing
     rowwise outlives its last use (peak memory)."""
@@ -557,6 +595,8 @@ def _with_main_grads(gl, shared=False, dtype=torch.float32):
         (lambda: GroupedLinear(0, 128, 128), None, ValueError, "num_gemms must be a positive int"),
         (lambda: GroupedLinear(2, 128, 128, params_dtype=torch.float16), None, TypeError, "params_dtype"),
         (None, lambda gl: gl(torch.randn(4, 256), [2, 2]), ValueError, r"in_features=128\], got \[4, 256\]"),
+        (None, lambda gl: gl.recompute_saved_input(torch.randn(4, 256), [2, 2]), ValueError,
+         r"in_features=128\], got \[4, 256\]"),
         (None, lambda gl: gl(torch.randn(4, 128), [3, 2]), ValueError, "sum to M=4"),
         (None, lambda gl: gl(torch.randn(4, 128), [5, -1]), ValueError, ">= 0"),
         (None, lambda gl: gl(torch.ones(4, 128, dtype=torch.int32), [2, 2]), TypeError, "bf16/fp16/fp32"),
@@ -596,7 +636,7 @@ def _with_main_grads(gl, shared=False, dtype=torch.float32):
         (lambda: GroupedLinear(2, 128, 128, device="meta"), lambda gl: gl(torch.randn(4, 128, device="meta"), [2, 2]),
          ValueError, "got a tensor on the meta device"),
     ],
-    ids=["features", "num-gemms", "params-dtype", "in-features", "sum", "negative", "dtype",
+    ids=["features", "num-gemms", "params-dtype", "in-features", "recompute-in-features", "sum", "negative", "dtype",
          "groups", "groups-4", "recipe-str", "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad",
          "single-fuse-without-main-grad", "single-not-bool", "requantize-not-bool", "device", "weight-role-input", "fp32-scales-input",
          "bias-str", "cache-flag-str", "transpose-str", "shared-main-grad", "shared-bf16-main-grad", "meta-module"],

@@ -317,19 +317,16 @@ def test_topk_routing_counts_bad_ids():
 @pytest.mark.parametrize("case", ["random", "unused_slots", "one_expert", "special_values"])
 def test_checked_topk_probs_are_the_checked_conversions_bit_for_bit(backend, case):
     """``checked_topk_probs`` (the moe_expert rerun's probs of ids the dispatch checked) gives the probs of
-    ``topk_to_routing_map`` bit for bit (-0.0, NaN and inf weights too), and the same weights' gradient; it checks
-    nothing: bad ids raise no error and no write lands outside the [T, E] output (the kernel's stores are masked)."""
+    ``topk_to_routing_map`` bit for bit (-0.0, NaN and inf weights too), outside autograd; it checks nothing: bad
+    ids raise no error and no write lands outside the [T, E] output (the kernel's stores are masked)."""
     from transformer_engine_moe.ops.permute import checked_topk_probs
 
     idx, w = _topk_case(case, 37, 8, 3, torch.float32)
-    leaves = w.clone().requires_grad_(), w.clone().requires_grad_()
-    got = checked_topk_probs(idx, leaves[0], 8, backend)
-    want = topk_to_routing_map(idx, leaves[1], 8, backend=backend)[1]
-    assert got.shape == (37, 8) and got.dtype == torch.float32
+    leaf = w.clone().requires_grad_()
+    got, want = checked_topk_probs(idx, leaf, 8, backend), topk_to_routing_map(idx, w, 8, backend=backend)[1]
+    assert not got.requires_grad and got.shape == (37, 8) and got.dtype == torch.float32
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan) and torch.equal(got.view(torch.int32)[~nan], want.view(torch.int32)[~nan])
-    g = torch.randn(37, 8, device=KERNEL_DEVICE)
-    assert torch.equal(*(torch.autograd.grad(p, leaf, g)[0] for p, leaf in zip((got, want), leaves)))
     bad = torch.tensor([[0, 9], [-2, 1], [3, 3]], device=KERNEL_DEVICE)
     probs = checked_topk_probs(bad, torch.ones(3, 2, device=KERNEL_DEVICE), 4, backend)
     assert probs.shape == (3, 4) and probs[0, 0] == 1 and probs[1, 1] == 1

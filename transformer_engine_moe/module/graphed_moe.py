@@ -29,7 +29,7 @@ of their own (``_weight_leaves``).
   replays nothing and the forward reads the weights of the last replay, so an optimizer step (which writes
   the weights in place) reaches the graphs at the next True;
 - forward: ``block(hidden, probs, routing_map, is_first_microbatch=False)`` on static inputs ``[T, H]``,
-  ``[T, E]``, ``[T, E]`` (``T`` as at capture; with ``moe_expert`` its node's first pass);
+  ``[T, E]``, ``[T, E]`` (``T`` as at capture; with ``moe_expert`` the checkpoint's first pass);
 - backward: the gradients of ``hidden``, ``probs`` and the weights (with ``moe_expert`` the rerun inside).
 
 Weight gradients, as the eager block gives them:

@@ -16,15 +16,15 @@ used as is, never dequantized. Per step:
   forward. At small experts the host bounds the forward after the permute (docs/megatron.md):
   the GPU runs the transpose while the host issues the GEMM, where it would idle, and backward,
   where the GPU is busy, runs it no more. ``transpose_input_in_forward = False`` keeps the
-  rowwise copy and transposes it in backward (``FP8FlowMoE``'s fc2 under ``moe_expert``,
-  whose input the rerun makes again).
+  rowwise copy and transposes it in backward (``FP8FlowMoE`` under ``moe_expert``, whose
+  checkpoint drops what its first pass saves).
 - backward: the output gradient is quantized 1x128 (E4M3, or E5M2 for the HYBRID
   recipe), or taken as it comes when it arrives so quantized (``FP8FlowMoE``'s unpermute
   quantizes it per token and permutes FP8 rows), and its scaling-aware transpose queued before
   the dgrad GEMM (the GPU runs it while the host issues that GEMM: fc2's, the backward's first);
   dgrad ``dX = dY @ W_g`` through W^T (a byte transpose of W where W was kept), dropped right
-  after the dgrad GEMM; wgrad ``dW_g = dY_g^T X_g`` from the
-  scaling-aware transposes of dY and of the input. With
+  after the dgrad GEMM; wgrad ``dW_g = dY_g^T X_g`` from the scaling-aware transposes of dY and
+  of the input. With
   ``fuse_wgrad_accumulation``, wgrad is added into each weight's ``main_grad``
   (Megatron), or written over it where the weights have ``overwrite_main_grad`` set
   (Megatron-FSDP), and ``.grad`` gets a zero placeholder, as in TE (an empty sparse one for a
@@ -135,6 +135,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, m_splits, module, weight_fp8, weight_t, requantize, grad_enabled, bias, *weights):
         # no autograd Function inside this one (torch.compile could not trace it): quantize, transpose as raw ops
+        # weight_fp8 None: a recompute's rerun (GroupedLinear.recompute_saved_input): no GEMM, an empty output
         x = inp if isinstance(inp, Float8BlockwiseQTensor) else quantize_in_function(
             inp.contiguous(), module.quantizers[Role.INPUT].args)
         # grad_enabled: the caller's grad mode (this forward runs without it; needs_input_grad does not say)
@@ -147,9 +148,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
             ctx.save_for_backward(*(ctx.impl.scaling_aware_transpose(x.rowwise_data, x.rowwise_scale_inv, m_splits)
                                     if ctx.input_transposed else (x.rowwise_data, x.rowwise_scale_inv)))
             ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.force_pow_2_scales)
-        out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
-        if bias is not None:
-            out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
+        if weight_fp8 is None:
+            out = torch.empty(0, dtype=inp.dtype, device=inp.device)
+        else:
+            out = grouped_gemm(x, weight_fp8, m_splits, out_dtype=inp.dtype, backend=module.backend)
+            if bias is not None:
+                out = out + _bias_rows(bias, m_splits, out.shape[0]).to(out.dtype)
         # not saved_tensors (a cached copy is reused, never re-saved): W^T, or W where no W^T was made; nothing
         # where backward quantizes the weights again (requantize_in_backward without a cache)
         ctx.requantize = requantize
@@ -162,9 +166,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         module, m_splits = ctx.module, ctx.m_splits
-        # saved tensors first: under a recompute (moe_expert's fc2) unpacking them reruns the recomputed ops,
-        # which are then alive next to grad_out alone, not also next to dy, dgrad and dy^T (peak memory; queued
-        # before the rerun, fc2's dgrad and dy^T cost 0.8 GB more at dsv3_ep8_rank's shapes, H200)
+        # saved tensors first: under a recompute (moe_expert) unpacking them reruns the checkpointed forward,
+        # which is then alive next to grad_out alone, not also next to dy, dgrad and dy^T (peak memory)
         saved = ctx.saved_tensors
         weight, ctx.weight_bwd = ctx.weight_bwd, None
         if weight is None and not ctx.requantize:
@@ -288,8 +291,8 @@ class GroupedLinear(nn.Module):
         self._weight_keys = ("weight",) if single_grouped_weight else tuple(f"weight{i}" for i in range(num_gemms))
         self.requantize_in_backward = requantize_in_backward
         # the forward saves its input transposed for wgrad (TE's columnwise usage, made in forward); off: it saves the
-        # rowwise copy and backward transposes it (FP8FlowMoE's fc2 under moe_expert, whose saved input the rerun
-        # makes again: saved_tensors_hooks stand in for act's rowwise bytes)
+        # rowwise copy and backward transposes it (FP8FlowMoE under moe_expert, whose checkpoint drops the first
+        # pass's saved tensors and reruns up to fc2's saved input: recompute_saved_input)
         self.transpose_input_in_forward = True
         init = init_method or (lambda t: nn.init.kaiming_uniform_(t, a=5 ** 0.5))
         if single_grouped_weight:
@@ -440,9 +443,21 @@ class GroupedLinear(nn.Module):
             check_disjoint([w.main_grad for _, w in named], [f"{name}.main_grad" for name, _ in named])
             self._main_grad_addresses = addresses
 
+    def recompute_saved_input(self, inp: Union[torch.Tensor, Float8BlockwiseQTensor],
+                              m_splits: Union[Sequence[int], torch.Tensor]) -> None:
+        """Inside the rerun of a non-reentrant ``torch.utils.checkpoint`` whose first pass called
+        ``forward(inp, m_splits, ...)``: regenerate only what that forward saved for backward (the input's
+        FP8 rowwise copy, which backward transposes), without the GEMM or the FP8 weights. The autograd node it
+        makes saves the same tensors in the same order, so checkpoint's early stop ends the rerun here when they are the
+        region's last (``FP8FlowMoE``'s ``moe_expert``: fc2); the first pass's backward reads them. Same
+        input checks as ``forward``."""
+        self._check_input(inp)
+        self._function(inp, m_splits, None, None)
+
     def _function(self, inp, m_splits, w, w_t, requantize: bool = False):
-        """The autograd Function over ``inp``, ``m_splits`` (a tuple as a list), FP8 ``w``/``w_t`` (``requantize``:
-        backward quantizes the weights again, nothing kept), the stacked biases and the weight parameters."""
+        """The autograd Function over ``inp``, ``m_splits`` (a tuple as a list), FP8 ``w``/``w_t`` (None: a
+        rerun without GEMM; ``requantize``: backward quantizes the weights again, nothing kept), the stacked
+        biases and the weight parameters."""
         bias = torch.stack([getattr(self, f"bias{i}") for i in range(self.num_gemms)]) if self.use_bias else None
         return _GroupedLinearFunction.apply(inp, list(m_splits) if isinstance(m_splits, tuple) else m_splits, self,
                                             w, w_t, requantize, torch.is_grad_enabled(), bias, *self.weight_params)

@@ -16,8 +16,8 @@ router stays outside, as in Megatron. Phases (methods named after them, so recom
 The block does FP8-Flow only; the BF16 and blockwise-FP8-with-casts blocks that benchmarks and tests
 compare it with are subclasses overriding ``quantize`` and ``experts`` (``benchmarks/baselines.py``).
 ``recompute="moe_expert"`` keeps only the dispatched FP8 input (data, scales, probs, routing) and the
-routing map unpermute reads for backward, and reruns permute -> fc1 -> SwiGLU there (fc2's backward asks for
-its FP8 input; no fc2 GEMM, ``routed_experts``); nothing is re-dispatched. A forward called with
+routing map unpermute reads for backward, and reruns permute -> fc1 -> SwiGLU there (plus fc2's input
+transpose; no fc2 GEMM, ``routed_experts``); nothing is re-dispatched. A forward called with
 ``is_first_microbatch=True`` caches its FP8 weights and the rerun reuses fc1's; with None (no cache)
 no FP8 weight is kept from the forward to the backward (``GroupedLinear.requantize_in_backward``): the rerun
 quantizes fc1's W again, and fc1's and fc2's backward quantize for their dgrad, so one layer's FP8 weights
@@ -36,8 +36,6 @@ and replayed with other routings (docs/moe.md, CUDA graphs).
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from typing import Optional
 
 import torch
@@ -133,8 +131,10 @@ class FP8FlowMoE(nn.Module):
         self.linear_fc2 = GroupedLinear(self.num_local_experts, ffn_hidden_size, hidden_size,
                                         init_method=init_method if output_init_method is None else output_init_method,
                                         **common)
-        # fc2's saved input is moe_expert's rerun (routed_experts): saved rowwise, as act's bytes the hooks stand in for
-        self.linear_fc2.transpose_input_in_forward = recompute != "moe_expert"
+        # moe_expert: the inputs saved rowwise, as without it, and transposed in backward (the checkpoint drops
+        # what its first pass saves, and its rerun ends where fc2 has saved its input: recompute_saved_input)
+        for linear in (self.linear_fc1, self.linear_fc2):
+            linear.transpose_input_in_forward = recompute != "moe_expert"
 
     # ------------------------------------------------------------------ phases
     def quantize(self, hidden: torch.Tensor) -> Float8BlockwiseQTensor:
@@ -191,56 +191,88 @@ class FP8FlowMoE(nn.Module):
         return moe_unpermute(y, row_id_map, pad_offsets=pad_offsets,
                              grad_quantize=None if args.amax_epsilon else args)
 
-    def _mlp(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing=None):
+    def _mlp(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, rerun: bool = False,
+             routing=None):
         """``experts`` up to fc2: -> ``(y [M, H] BF16 in the permuted, padded layout, row_id_map, pad_offsets)``.
-        ``routing``: ``_permute``'s."""
-        act, padded, row_id_map, pad_offsets = self._mlp_to_act(hidden, topk_ids, topk_probs, tokens_per_expert,
-                                                                is_first_microbatch, routing)
-        return self.linear_fc2(act, padded, is_first_microbatch), row_id_map, pad_offsets
-
-    def _mlp_to_act(self, hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch, routing=None):
-        """permute -> fc1 -> SwiGLU: ``(act [M, F] FP8, padded splits, row_id_map, pad_offsets)``."""
+        ``rerun``: the ``moe_expert`` rerun, which regenerates only what backward reads: fc2 saves its FP8 input
+        and runs no GEMM (``GroupedLinear.recompute_saved_input``); returns None. ``routing``:
+        ``_permute``'s."""
         x, probs, row_id_map, pad_offsets, padded = self._permute(hidden, topk_ids, topk_probs, tokens_per_expert,
                                                                   routing)
         h = self.linear_fc1(x, padded, is_first_microbatch)
         # its backward hands fc1 the gradient quantized: bitwise what fc1 quantizes (amax_epsilon 0, as the kernel's)
-        return weighted_swiglu_quant(h, probs, self.recipe, quantize_grad=not self.recipe.amax_epsilon), padded, \
-            row_id_map, pad_offsets
+        act = weighted_swiglu_quant(h, probs, self.recipe, quantize_grad=not self.recipe.amax_epsilon)
+        if rerun:
+            self.linear_fc2.recompute_saved_input(act, padded)
+            return None
+        return self.linear_fc2(act, padded, is_first_microbatch), row_id_map, pad_offsets
 
     def routed_experts(self, hidden, topk_ids: torch.Tensor, topk_probs: torch.Tensor, tokens_per_expert,
                        is_first_microbatch: Optional[bool] = None, *, routing: Optional[tuple] = None) -> torch.Tensor:
         """``experts`` with its FP8 weights prefetched (``prefetch_fp8_weights``: a no-op after ``dispatch``'s),
-        the ``moe_expert`` recompute when set (``routing``: as for ``experts``).
+        inside the ``moe_expert`` recompute when set (``routing``: as for ``experts``; unused in the recompute).
 
-        ``moe_expert``: permute -> fc1 -> SwiGLU run as one autograd node (``_RecomputedExperts``) outside autograd,
-        keeping only their inputs; fc2 and unpermute run after it as without recompute, except that fc2's FP8
-        input is not kept: fc2's backward asks for it and gets it from a rerun of permute -> fc1 -> SwiGLU (under
-        autograd), through which the node's backward then differentiates. Unpermute keeps the routing map it reads
-        (``row_id_map [R, 2E+1]`` int32 and ``pad_offsets``, E local experts). fc1 reads the FP8 weights the
-        forward cached (``is_first_microbatch`` True or False) or quantizes W alone again (None: the first pass
-        kept no FP8 weight, and fc1's and fc2's backward quantize theirs again). The node keeps its inputs until
+        ``moe_expert``: permute -> fc1 -> SwiGLU -> fc2 run under a non-reentrant checkpoint that keeps only
+        their inputs; unpermute runs after it and keeps the routing map it reads (``row_id_map [R, 2E+1]``
+        int32 and ``pad_offsets``, E local experts). The rerun in backward regenerates fc1's and SwiGLU's
+        saved tensors and fc2's FP8 input, and ends there (checkpoint's early stop): no fc2 GEMM and
+        no fc2 weights. fc1 reads the FP8 weights the forward cached (``is_first_microbatch`` True or False)
+        or quantizes W alone again (None: the first pass kept no FP8 weight, and fc1's and fc2's backward
+        quantize theirs again; the rerun's own autograd state is dropped). The region keeps its inputs until
         backward, the ``[R, k]`` ids and probs rather than the ``[R, E]`` probs: its first pass takes ``routing``
         (no conversion on the host's path after the dispatch's wait) and lets its probs go; the rerun makes them
-        again from the ids, on the dispatch's map and layout where it laid one out (``_RerunnableMLP``). Without
-        ``routing`` both passes convert the ids. One node and two saved-tensor hooks (fc2's input data and scales),
-        not a ``torch.utils.checkpoint`` region, whose entry and hooks on every tensor its ops saved were host
-        time on the path from the dispatch's wait to the first kernel after it (docs/moe.md)."""
+        again from the ids, on the dispatch's map and layout where it laid one out (``_rerunnable_mlp``). Without
+        ``routing`` both passes convert the ids."""
         try:
             self.prefetch_fp8_weights(is_first_microbatch)
             if self.recompute != "moe_expert":
                 return self.experts(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch,
                                     routing=routing)
-            mlp = _RerunnableMLP(self, tokens_per_expert, is_first_microbatch, routing)
-            act, row_id_map, pad_offsets = _RecomputedExperts.apply(mlp, hidden, topk_ids, topk_probs,
-                                                                    *self.linear_fc1.weight_params)
-            # no node (nothing before fc2 needs a gradient, or no autograd): fc2 keeps act as it would without
-            # recompute, as there is no rerun to ask
-            with torch.autograd.graph.saved_tensors_hooks(*mlp.fc2_input_hooks(act)) if act.requires_grad \
-                    else contextlib.nullcontext():
-                y = self.linear_fc2(act, mlp.padded, is_first_microbatch)
+            # no RNG state kept: the experts draw no random numbers, and reading the CUDA generator's state is
+            # refused inside a CUDA graph capture (GraphedFP8FlowMoE captures this checkpoint)
+            y, row_id_map, pad_offsets = torch.utils.checkpoint.checkpoint(
+                self._rerunnable_mlp(tokens_per_expert, is_first_microbatch, routing), hidden, topk_ids, topk_probs,
+                use_reentrant=False, preserve_rng_state=False)
         finally:  # weights prefetched for a call that raised are never used later
             self.drop_prefetched_fp8_weights()
         return self._unpermute(y, row_id_map, pad_offsets)
+
+    def _rerunnable_mlp(self, tokens_per_expert, is_first_microbatch, routing=None):
+        """``_mlp`` as the ``moe_expert`` checkpoint runs it: the first call computes (on ``routing``, the
+        dispatch's map, probs and layout of the ids, when given), later ones are reruns. The ``[R, E]`` probs are
+        let go after the first pass. A layout (the local dispatcher's) is kept to the rerun with its map (bool
+        ``[R, E]``; its ``row_id_map`` is unpermute's, kept anyway): the rerun makes only the probs again
+        (``checked_topk_probs``: the ids were checked in the dispatch), not the map, its layout and the counts'
+        check (about 12 launches). Without a layout the rerun converts the ids again (map and probs, checked).
+        Either way outside autograd, the probs a leaf that requires grad, so the ops save what they saved on the
+        dispatch's probs."""
+        passes, given = [], [routing]  # the closure holds neither ``routing`` nor its probs past the first pass
+        layout = routing[2] if routing is not None else None
+        convert = routing is not None and layout is None
+
+        def mlp(hidden, topk_ids, topk_probs):
+            if not passes:
+                passes.append("first")
+                first_routing, given[0] = given[0], None
+                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch,
+                                 routing=first_routing)
+            rerouted = None
+            if layout is not None:
+                probs = checked_topk_probs(topk_ids, topk_probs, self.num_local_experts)
+                rerouted = (layout.routing_map, probs.requires_grad_(), layout)
+            elif convert:
+                with torch.no_grad():
+                    routing_map, probs = topk_to_routing_map(topk_ids, topk_probs, self.num_local_experts)
+                rerouted = (routing_map, probs.requires_grad_(), None)
+            if is_first_microbatch is not None:  # fc1's cached W
+                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, False, rerun=True, routing=rerouted)
+            try:
+                self.linear_fc1.prefetch_fp8_weights(None, transpose=False)
+                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, None, rerun=True, routing=rerouted)
+            finally:
+                self.linear_fc1.drop_prefetched_fp8_weights()
+
+        return mlp
 
     def _permute(self, hidden, topk_ids, topk_probs, tokens_per_expert, routing=None):
         """-> ``(x [M, H], probs [M], row_id_map, pad_offsets, m_splits)``, each expert's rows padded to
@@ -333,102 +365,6 @@ class FP8FlowMoE(nn.Module):
         y = self.routed_experts(res.hidden, res.topk_ids, res.topk_probs, res.tokens_per_expert, is_first_microbatch,
                                 routing=res.routing)
         return self.combine(y, res.handle)
-
-
-class _RerunnableMLP:
-    """permute -> fc1 -> SwiGLU (``FP8FlowMoE._mlp_to_act``) as ``moe_expert`` runs them: ``first`` outside autograd
-    (on ``routing``, the dispatch's map, probs and layout of the ids, when given), ``rerun`` once in backward,
-    under autograd, on detached copies of the node's inputs (``_RecomputedExperts``' saved tensors: the version
-    check refuses inputs written in place since). The ``[R, E]`` probs are let go after the first pass. A layout
-    (the local dispatcher's) is kept to the rerun with its map (bool ``[R, E]``; its ``row_id_map`` is unpermute's,
-    kept anyway): the rerun makes only the probs again (``checked_topk_probs``: the ids were checked in the
-    dispatch), not the map, its layout and the counts' check (about 12 launches). Without a layout the rerun
-    converts the ids again (map and probs, checked)."""
-
-    def __init__(self, block: FP8FlowMoE, tokens_per_expert, is_first_microbatch, routing):
-        self.block, self.tokens_per_expert, self.is_first_microbatch = block, tokens_per_expert, is_first_microbatch
-        self.routing = routing  # let go by the first pass, with its [R, E] probs
-        self.layout = routing[2] if routing is not None else None
-        self.convert = routing is not None and self.layout is None
-        self.node = self.padded = self.rerun_result = None
-
-    def first(self, hidden, topk_ids, topk_probs):
-        routing, self.routing = self.routing, None
-        act, self.padded, row_id_map, pad_offsets = self.block._mlp_to_act(
-            hidden, topk_ids, topk_probs, self.tokens_per_expert, self.is_first_microbatch, routing)
-        return act, row_id_map, pad_offsets
-
-    def rerun(self):
-        """``(act, hidden leaf, probs leaf)`` of the rerun, made at the first call (fc2's backward reading its input,
-        or the node's backward)."""
-        if self.rerun_result is None:
-            hidden, topk_ids, topk_probs = self.node().saved_tensors
-            block, e = self.block, self.block.num_local_experts
-            with torch.enable_grad():
-                leaves = hidden.detach().requires_grad_(hidden.requires_grad), \
-                    topk_probs.detach().requires_grad_(topk_probs.requires_grad)
-                routing = None
-                if self.layout is not None:
-                    routing = (self.layout.routing_map, checked_topk_probs(topk_ids, leaves[1], e), self.layout)
-                elif self.convert:
-                    routing = (*topk_to_routing_map(topk_ids, leaves[1], e), None)
-                flag = None if self.is_first_microbatch is None else False  # False: fc1's cached W
-                try:
-                    if flag is None:
-                        block.linear_fc1.prefetch_fp8_weights(None, transpose=False)
-                    act = block._mlp_to_act(leaves[0], topk_ids, leaves[1], self.tokens_per_expert, flag, routing)[0]
-                finally:
-                    block.linear_fc1.drop_prefetched_fp8_weights()
-            self.rerun_result = (act, *leaves)
-        return self.rerun_result
-
-    def fc2_input_hooks(self, act):
-        """``saved_tensors_hooks`` for fc2's forward on the first pass's ``act``: fc2 saves act's FP8 data and scales
-        (what its wgrad transposes) as markers, and its backward gets the rerun's; anything else is kept as is."""
-        parts = {(t.data_ptr(), t.dtype, t.shape): i for i, t in enumerate((act.rowwise_data, act.rowwise_scale_inv))}
-
-        def pack(t):
-            i = parts.get((t.data_ptr(), t.dtype, t.shape))
-            return (i, None) if i is not None else (None, t)
-
-        def unpack(saved):
-            i, t = saved
-            if i is None:
-                return t
-            act = self.rerun()[0]
-            return (act.rowwise_data, act.rowwise_scale_inv)[i]
-
-        return pack, unpack
-
-
-class _RecomputedExperts(torch.autograd.Function):
-    """``moe_expert``'s node: ``forward(mlp, hidden, topk_ids, topk_probs, *fc1_weights) -> (act, row_id_map,
-    pad_offsets)`` runs ``mlp.first`` outside autograd (its ops save nothing) and keeps the three inputs;
-    backward takes the gradients of ``hidden``, ``topk_probs`` and fc1's weights through ``mlp.rerun``'s graph
-    (``torch.autograd.grad``; they return to the caller's backward, which accumulates the weights' as any node's;
-    under ``fuse_wgrad_accumulation`` fc1's backward adds them into ``main_grad`` itself). No RNG state is kept:
-    the experts draw no random numbers, and reading the CUDA generator's state is refused inside a CUDA graph
-    capture (``GraphedFP8FlowMoE`` captures this node and its backward)."""
-
-    @staticmethod
-    def forward(ctx, mlp, hidden, topk_ids, topk_probs, *weights):
-        act, row_id_map, pad_offsets = mlp.first(hidden, topk_ids, topk_probs)
-        ctx.save_for_backward(hidden, topk_ids, topk_probs)
-        ctx.mlp, ctx.weights, mlp.node = mlp, weights, weakref.ref(ctx)
-        ctx.mark_non_differentiable(*(t for t in (row_id_map, pad_offsets) if t is not None))
-        return act, row_id_map, pad_offsets
-
-    @staticmethod
-    def backward(ctx, grad_act, *_):
-        act, *leaves = ctx.mlp.rerun()
-        ctx.mlp.rerun_result, ctx.mlp = None, None
-        need = ctx.needs_input_grad
-        inputs = [*leaves, *ctx.weights]
-        wanted = [i for i, n in enumerate((need[1], need[3], *need[4:])) if n]
-        grads = [None] * len(inputs)
-        for i, g in zip(wanted, torch.autograd.grad(act, [inputs[i] for i in wanted], grad_act, allow_unused=True)):
-            grads[i] = g
-        return None, grads[0], None, grads[1], *grads[2:]
 
 
 def _check_tensor(name: str, t, dtypes: tuple, dims: tuple, device: torch.device) -> None:

@@ -598,12 +598,13 @@ def checked_topk_routing(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num
 
 
 def checked_topk_probs(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, backend: str = "auto"):
-    """``probs [T, E]`` of ``checked_topk_routing`` for ids it checked already, bit for bit (the same kernel) and
-    differentiable in the weights as it is, without its device-side checks: the ``moe_expert`` rerun's probs of the
-    ids its forward's dispatch checked (the region keeps the ids it was given). The kernel never writes out of
-    bounds; the probs of ids that were never checked mean nothing."""
-    impl = implementation(backend, topk_idx, "topk_to_routing_map")
-    return _TopkRouting.apply(topk_idx, topk_weights, num_experts, impl)[1]
+    """``probs [T, E]`` of ``checked_topk_routing`` for ids it checked already, bit for bit (the same kernel),
+    without its device-side checks and without autograd: the ``moe_expert`` rerun's probs of the ids its forward's
+    dispatch checked (the checkpoint's saved inputs refuse ids written in place since). The kernel never writes
+    out of bounds; the probs of ids that were never checked mean nothing."""
+    with torch.no_grad():
+        return implementation(backend, topk_idx, "topk_to_routing_map").topk_routing(topk_idx, topk_weights,
+                                                                                     num_experts)[1]
 
 
 def routing_map_to_topk(probs: torch.Tensor, routing_map: torch.Tensor, topk: int):
