@@ -440,3 +440,34 @@ def test_columnwise_components_stay_views_and_the_wgrad_reads_them_densely():
     with pytest.raises(ValueError, match=r"columnwise_data must be unit-stride in its last dimension, got strides "
                                          r"\(2,\)"):
         Float8BlockwiseQTensor(**common, columnwise_data=doubled[:, 0], columnwise_scale_inv=x.columnwise_scale_inv)
+
+
+@pytest.mark.parametrize("recompute", [None, "moe_expert"])
+def test_the_ops_tensors_pass_the_constructors_checks(monkeypatch, recompute):
+    """The ops build their FP8 tensors with ``_of_launch`` (the constructor without its argument checks): every one
+    they build in a block's forward and backward (permute, quantize, SwiGLU, the transposes and wgrad operands, the
+    weights' byte transpose, device splits too) passes the checked constructor, and gives the same results."""
+    from transformer_engine_moe import FP8FlowMoE
+
+    def run():
+        torch.manual_seed(0)
+        block = FP8FlowMoE(4, 256, 128, 2, align_size=128, recompute=recompute, device=KERNEL_DEVICE)
+        x = torch.randn(96, 256, dtype=torch.bfloat16, device=KERNEL_DEVICE, requires_grad=True)
+        ids = torch.stack([torch.randperm(4, device=KERNEL_DEVICE)[:2] for _ in range(96)])
+        ids[:40] = torch.tensor([1, 3])  # most tokens on two experts, some experts with few rows
+        probs = torch.rand(96, 2, device=KERNEL_DEVICE)
+        out = []
+        for flag in (True, False):  # the weights quantized and cached, then the cache's byte transpose
+            y = block.forward_topk(x, ids, probs, is_first_microbatch=flag)
+            y.backward(torch.randn_like(y))
+            out += [y, x.grad] + [p.grad for p in block.parameters()]
+        return out
+
+    built = []
+    fast = run()
+    checked = Float8BlockwiseQTensor.__new__
+    monkeypatch.setattr(Float8BlockwiseQTensor, "_of_launch",
+                        classmethod(lambda cls, **kw: built.append(sorted(kw)) or checked(cls, **kw)))
+    slow = run()
+    assert len(built) >= 10 and any("columnwise_data" in kw for kw in built)
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow))

@@ -88,9 +88,9 @@ def _accumulates_into_main_grad(weights) -> bool:
 def _columnwise(t: Float8BlockwiseQTensor, data_t: torch.Tensor, scale_t: torch.Tensor,
                 m_splits: MSplits) -> Float8BlockwiseQTensor:
     """``t``'s value held only as the 128x1 columnwise copy ``data_t``, ``scale_t`` grouped by ``m_splits``."""
-    return Float8BlockwiseQTensor(shape=t.shape, dtype=t.dtype, fp8_dtype=t.fp8_dtype,
-                                  force_pow_2_scales=t.force_pow_2_scales, columnwise_data=data_t,
-                                  columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
+    return Float8BlockwiseQTensor._of_launch(shape=t.shape, dtype=t.dtype, fp8_dtype=t.fp8_dtype,
+                                             force_pow_2_scales=t.force_pow_2_scales, columnwise_data=data_t,
+                                             columnwise_scale_inv=scale_t, columnwise_m_splits=m_splits)
 
 
 def _quantized_grad(grad_out: torch.Tensor, args) -> Float8BlockwiseQTensor:
@@ -196,9 +196,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
             if not ctx.input_transposed:
                 data, scale = ctx.impl.scaling_aware_transpose(data, scale, m_splits)
             shape, dtype, fp8_dtype, pow2 = ctx.x_meta
-            x_t = Float8BlockwiseQTensor(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, force_pow_2_scales=pow2,
-                                         columnwise_data=data, columnwise_scale_inv=scale,
-                                         columnwise_m_splits=m_splits)
+            x_t = Float8BlockwiseQTensor._of_launch(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype,
+                                                    force_pow_2_scales=pow2, columnwise_data=data,
+                                                    columnwise_scale_inv=scale, columnwise_m_splits=m_splits)
             if module.fuse_wgrad_accumulation:
                 main_grads = [w.main_grad for w in ctx.weights]  # per expert [N, K], or one [G, N, K]
                 accumulate = _accumulates_into_main_grad(ctx.weights)

@@ -141,7 +141,7 @@ class _Permute(torch.autograd.Function):
             x, row_id_map, capacity, pad_offsets, probs, inp.rowwise_scale_inv if fp8 else None
         )
         if fp8:
-            out = Float8BlockwiseQTensor(
+            out = Float8BlockwiseQTensor._of_launch(
                 shape=out.shape, dtype=inp.dtype, fp8_dtype=inp.fp8_dtype, force_pow_2_scales=inp.force_pow_2_scales,
                 rowwise_data=out, rowwise_scale_inv=out_scale,
             )
@@ -188,9 +188,9 @@ class _Unpermute(torch.autograd.Function):
             q = quantize_in_function(grad, args)
             data, _, scale = impl.permute(q.rowwise_data, row_id_map, ctx.capacity, pad_offsets, None,
                                           q.rowwise_scale_inv)
-            dinp = Float8BlockwiseQTensor(shape=data.shape, dtype=grad.dtype, fp8_dtype=args.fp8_dtype,
-                                          force_pow_2_scales=args.force_pow_2_scales, rowwise_data=data,
-                                          rowwise_scale_inv=scale)
+            dinp = Float8BlockwiseQTensor._of_launch(shape=data.shape, dtype=grad.dtype, fp8_dtype=args.fp8_dtype,
+                                                     force_pow_2_scales=args.force_pow_2_scales, rowwise_data=data,
+                                                     rowwise_scale_inv=scale)
             return dinp, None, None, None, None, None
         if merging_probs is None:
             dinp, _, _ = impl.permute(grad, row_id_map, ctx.capacity, pad_offsets, None, None)

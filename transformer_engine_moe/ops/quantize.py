@@ -98,7 +98,7 @@ def quantize_2d(x2d: torch.Tensor, args: QuantizeArgs, m_splits: MSplits, impl: 
 
 def _quantized(x: torch.Tensor, args: QuantizeArgs, m_splits: MSplits, impl: Implementation) -> Float8BlockwiseQTensor:
     """The Float8BlockwiseQTensor of a checked ``x``, no autograd."""
-    return Float8BlockwiseQTensor(
+    return Float8BlockwiseQTensor._of_launch(
         shape=x.shape,
         dtype=x.dtype,
         fp8_dtype=args.fp8_dtype,

@@ -24,7 +24,7 @@ class _WeightedSwiGLUQuant(torch.autograd.Function):
         q, s = impl.weighted_swiglu_quant(x, probs, fp8_dtype, recipe.force_pow_2_scales)
         ctx.save_for_backward(x, probs)
         ctx.recipe, ctx.quantize_grad, ctx.impl = recipe, quantize_grad, impl
-        return Float8BlockwiseQTensor(
+        return Float8BlockwiseQTensor._of_launch(
             shape=q.shape, dtype=x.dtype, fp8_dtype=fp8_dtype, force_pow_2_scales=recipe.force_pow_2_scales,
             rowwise_data=q, rowwise_scale_inv=s,
         )
@@ -37,7 +37,7 @@ class _WeightedSwiGLUQuant(torch.autograd.Function):
         dy = dy.contiguous()
         dx, dx_scale, dprobs = ctx.impl.weighted_swiglu_backward(dy, x, probs, grad_fp8, recipe.force_pow_2_scales)
         if grad_fp8 is not None:
-            dx = Float8BlockwiseQTensor(
+            dx = Float8BlockwiseQTensor._of_launch(
                 shape=x.shape, dtype=x.dtype, fp8_dtype=grad_fp8, force_pow_2_scales=recipe.force_pow_2_scales,
                 rowwise_data=dx, rowwise_scale_inv=dx_scale,
             )

@@ -65,7 +65,7 @@ def transpose_grouped_weight(weight: Float8BlockwiseQTensor, backend: str = "aut
     g, n, k = weight.shape
     impl = implementation(backend, data, "transpose_grouped_weight")
     data_t, scale_t = impl.transpose_128x128(data, scale)
-    return Float8BlockwiseQTensor(
+    return Float8BlockwiseQTensor._of_launch(
         shape=(g, k, n), dtype=weight.dtype, fp8_dtype=weight.fp8_dtype, is_2D_scaled=True,
         force_pow_2_scales=weight.force_pow_2_scales, rowwise_data=data_t.view(g * k, n),
         rowwise_scale_inv=scale_t.view(g * k // 128, n // 128),

@@ -176,6 +176,25 @@ class Float8BlockwiseQTensor(torch.Tensor):
         self._force_pow_2_scales = bool(force_pow_2_scales if pow2_scales is None else pow2_scales)
         return self
 
+    @classmethod
+    def _of_launch(cls, *, shape, dtype: torch.dtype, fp8_dtype: torch.dtype, rowwise_data=None,
+                   rowwise_scale_inv=None, columnwise_data=None, columnwise_scale_inv=None,
+                   columnwise_m_splits: MSplits = None, is_2D_scaled: bool = False,
+                   force_pow_2_scales: bool = False) -> "Float8BlockwiseQTensor":
+        """The constructor without its argument checks, for the package's ops on what a launcher of theirs has
+        just returned: contiguous components of the shapes, dtypes and device the launchers' contracts give (which
+        ``tests/tensor`` holds them to by running the ops through the checked constructor). Those checks cost
+        about 15 us of host time a tensor, a dozen tensors a step, on the path the GPU waits for at small experts
+        (docs/megatron.md). The splits are kept as the constructor keeps them (``own_m_splits``)."""
+        device = (rowwise_data if rowwise_data is not None else columnwise_data).device
+        splits = own_m_splits(columnwise_m_splits, math.prod(shape[:-1]), "columnwise_m_splits", device)
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
+        self._rowwise_data, self._rowwise_scale_inv = rowwise_data, rowwise_scale_inv
+        self._columnwise_data, self._columnwise_scale_inv = columnwise_data, columnwise_scale_inv
+        self._set_columnwise_m_splits(splits)
+        self._fp8_dtype, self._is_2D_scaled, self._force_pow_2_scales = fp8_dtype, is_2D_scaled, force_pow_2_scales
+        return self
+
     # ------------------------------------------------------------------ metadata
     @property
     def fp8_dtype(self) -> torch.dtype:
