@@ -185,7 +185,13 @@ class Float8BlockwiseQTensor(torch.Tensor):
         just returned: contiguous components of the shapes, dtypes and device the launchers' contracts give (which
         ``tests/tensor`` holds them to by running the ops through the checked constructor). Those checks cost
         about 15 us of host time a tensor, a dozen tensors a step, on the path the GPU waits for at small experts
-        (docs/megatron.md). The splits are kept as the constructor keeps them (``own_m_splits``)."""
+        (docs/megatron.md). The splits are kept as the constructor keeps them (``own_m_splits``). Under
+        ``torch.compile`` the checked constructor, which Dynamo traces as one (checks run at trace time)."""
+        if torch.compiler.is_compiling():
+            return cls(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype, rowwise_data=rowwise_data,
+                       rowwise_scale_inv=rowwise_scale_inv, columnwise_data=columnwise_data,
+                       columnwise_scale_inv=columnwise_scale_inv, columnwise_m_splits=columnwise_m_splits,
+                       is_2D_scaled=is_2D_scaled, force_pow_2_scales=force_pow_2_scales)
         device = (rowwise_data if rowwise_data is not None else columnwise_data).device
         splits = own_m_splits(columnwise_m_splits, math.prod(shape[:-1]), "columnwise_m_splits", device)
         self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
