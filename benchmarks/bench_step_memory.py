@@ -146,15 +146,17 @@ def main():
     env = utils.environment({"device": "CPU, launches faked", "cpus": len(os.sched_getaffinity(0))}
                             if args.cpu_faked else None)
     rows = [r for config in args.config for r in rows_for(config, args.tokens, device)]
-    name = "bench_step_memory_cpu" if args.cpu_faked else "bench_step_memory"
-    path = utils.write_results(
-        name, "Memory of one MoE layer step", env, {}, rows,
-        ["config", "experts", "hidden", "ffn", "topk", "tokens", "block", "peak_mib", "saved_mib"],
-        notes="peak_mib: the most memory allocated during one forward+backward above what was allocated before it "
-              "(activations, transients and the weight gradients the step makes); saved_mib: what the forward "
-              "leaves allocated for backward. FP8 weights cached, gradients None before the step. "
-              + ("CPU: the package's launches faked, the step's tensors tracked storage by storage (LiveBytes)."
-                 if args.cpu_faked else "GPU: torch.cuda's allocated and max allocated memory."))
+    columns = ["config", "experts", "hidden", "ffn", "topk", "tokens", "block", "peak_mib", "saved_mib"]
+    notes = ("peak_mib: the most memory allocated during one forward+backward above what was allocated before it "
+             "(activations, transients and the weight gradients the step makes); saved_mib: what the forward leaves "
+             "allocated for backward. FP8 weights cached, gradients None before the step. ")
+    title = "Memory of one MoE layer step"
+    if args.cpu_faked:
+        path = utils.write_results("bench_step_memory_cpu", title, env, {}, rows, columns, notes=notes + (
+            "CPU: the package's launches faked, the step's tensors tracked storage by storage (LiveBytes)."))
+    else:
+        path = utils.write_results("bench_step_memory", title, env, {}, rows, columns,
+                                   notes=notes + "GPU: torch.cuda's allocated and max allocated memory.")
     print(path.read_text())
 
 
