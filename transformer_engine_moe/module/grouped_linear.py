@@ -15,9 +15,9 @@ used as is, never dequantized. Per step:
   same bytes as the input), made before the GEMM, as TE makes an input's columnwise usage in
   forward. At small experts the host bounds the forward after the permute (docs/megatron.md):
   the GPU runs the transpose while the host issues the GEMM, where it would idle, and backward,
-  where the GPU is busy, runs it no more. ``transpose_input_in_forward = False`` keeps the
-  rowwise copy and transposes it in backward (``FP8FlowMoE`` under ``moe_expert``, whose
-  checkpoint drops what its first pass saves).
+  where the GPU is busy, runs it no more, nor holds the input and its transpose together. In a
+  ``moe_expert`` checkpoint's first pass, whose saved tensors are dropped, empty tensors stand in
+  for the transpose, which the rerun makes.
 - backward: the output gradient is quantized 1x128 (E4M3, or E5M2 for the HYBRID
   recipe), or taken as it comes when it arrives so quantized (``FP8FlowMoE``'s unpermute
   quantizes it per token and permutes FP8 rows), and its scaling-aware transpose queued before
@@ -46,7 +46,8 @@ import torch
 from torch import nn
 
 from ..backend import implementation
-from ..layout import MSplits, address_table, check_m_splits, m_splits_tensor, row_groups
+from ..layout import (MSplits, address_table, check_m_splits, columnwise_data_shape, m_splits_tensor,
+                      num_column_blocks, row_groups)
 from ..ops.grouped_gemm import GEMM_BACKENDS, check_disjoint, grouped_gemm, grouped_gemm_wgrad
 from ..ops.quantize import quantize_grouped_weight, quantize_in_function
 from ..ops.transpose import transpose_grouped_weight
@@ -141,13 +142,17 @@ class _GroupedLinearFunction(torch.autograd.Function):
         # grad_enabled: the caller's grad mode (this forward runs without it; needs_input_grad does not say)
         ctx.wgrad = grad_enabled and (any(ctx.needs_input_grad[8:]) or module.fuse_wgrad_accumulation)
         ctx.impl = implementation("auto", x, "GroupedLinear")  # the scaling-aware transposes of x and dy
-        ctx.input_transposed = ctx.wgrad and module.transpose_input_in_forward
-        if ctx.input_transposed:  # split by m_splits before the GEMM, which checks them too
-            m_splits = check_m_splits(m_splits, x.shape[0], device=x.device)
         if ctx.wgrad:  # only wgrad reads the input, 128x1: its scaling-aware transpose (the same bytes as x)
-            ctx.save_for_backward(*(ctx.impl.scaling_aware_transpose(x.rowwise_data, x.rowwise_scale_inv, m_splits)
-                                    if ctx.input_transposed else (x.rowwise_data, x.rowwise_scale_inv)))
+            m_splits = check_m_splits(m_splits, x.shape[0], device=x.device)  # before the transpose (the GEMM too)
+            if module._saved_input_dropped:  # a checkpoint's first pass: empty tensors of x^T's shapes stand in
+                m, k = x.shape
+                x_t = (x.rowwise_data.new_empty(columnwise_data_shape(m, k, m_splits)),
+                       x.rowwise_scale_inv.new_empty((num_column_blocks(m, m_splits), k)))
+            else:
+                x_t = ctx.impl.scaling_aware_transpose(x.rowwise_data, x.rowwise_scale_inv, m_splits)
+            ctx.save_for_backward(*x_t)
             ctx.x_meta = (tuple(x.shape), x.dtype, x.fp8_dtype, x.force_pow_2_scales)
+            del x_t
         if weight_fp8 is None:
             out = torch.empty(0, dtype=inp.dtype, device=inp.device)
         else:
@@ -193,8 +198,6 @@ class _GroupedLinearFunction(torch.autograd.Function):
         dweights = [None] * len(ctx.weights)
         if ctx.wgrad:
             (data, scale), saved = saved, None
-            if not ctx.input_transposed:
-                data, scale = ctx.impl.scaling_aware_transpose(data, scale, m_splits)
             shape, dtype, fp8_dtype, pow2 = ctx.x_meta
             x_t = Float8BlockwiseQTensor._of_launch(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype,
                                                     force_pow_2_scales=pow2, columnwise_data=data,
@@ -290,10 +293,10 @@ class GroupedLinear(nn.Module):
         # the G per-expert weights are read several times a step)
         self._weight_keys = ("weight",) if single_grouped_weight else tuple(f"weight{i}" for i in range(num_gemms))
         self.requantize_in_backward = requantize_in_backward
-        # the forward saves its input transposed for wgrad (TE's columnwise usage, made in forward); off: it saves the
-        # rowwise copy and backward transposes it (FP8FlowMoE under moe_expert, whose checkpoint drops the first
-        # pass's saved tensors and reruns up to fc2's saved input: recompute_saved_input)
-        self.transpose_input_in_forward = True
+        # True only while a non-reentrant checkpoint's first pass runs this module (FP8FlowMoE's moe_expert): what the
+        # forward saves is dropped there and made again by the rerun, so the input's transpose is not made and
+        # empty tensors of its shapes stand in (the checkpoint checks the rerun's against their shapes)
+        self._saved_input_dropped = False
         init = init_method or (lambda t: nn.init.kaiming_uniform_(t, a=5 ** 0.5))
         if single_grouped_weight:
             self.weight = nn.Parameter(torch.empty(num_gemms, out_features, in_features, dtype=params_dtype,

@@ -131,10 +131,6 @@ class FP8FlowMoE(nn.Module):
         self.linear_fc2 = GroupedLinear(self.num_local_experts, ffn_hidden_size, hidden_size,
                                         init_method=init_method if output_init_method is None else output_init_method,
                                         **common)
-        # moe_expert: the inputs saved rowwise, as without it, and transposed in backward (the checkpoint drops
-        # what its first pass saves, and its rerun ends where fc2 has saved its input: recompute_saved_input)
-        for linear in (self.linear_fc1, self.linear_fc2):
-            linear.transpose_input_in_forward = recompute != "moe_expert"
 
     # ------------------------------------------------------------------ phases
     def quantize(self, hidden: torch.Tensor) -> Float8BlockwiseQTensor:
@@ -254,8 +250,12 @@ class FP8FlowMoE(nn.Module):
             if not passes:
                 passes.append("first")
                 first_routing, given[0] = given[0], None
-                return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch,
-                                 routing=first_routing)
+                try:  # what the first pass saves is dropped: fc1 and fc2 make no transpose of their inputs for it
+                    self.linear_fc1._saved_input_dropped = self.linear_fc2._saved_input_dropped = True
+                    return self._mlp(hidden, topk_ids, topk_probs, tokens_per_expert, is_first_microbatch,
+                                     routing=first_routing)
+                finally:
+                    self.linear_fc1._saved_input_dropped = self.linear_fc2._saved_input_dropped = False
             rerouted = None
             if layout is not None:
                 probs = checked_topk_probs(topk_ids, topk_probs, self.num_local_experts)
