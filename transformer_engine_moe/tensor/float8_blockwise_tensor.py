@@ -163,17 +163,20 @@ class Float8BlockwiseQTensor(torch.Tensor):
         )
         if rowwise_data is not None:  # the kernels read rowwise copies densely: a view is copied
             rowwise_data, rowwise_scale_inv = rowwise_data.contiguous(), rowwise_scale_inv.contiguous()
-        self = torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
-        )
-        self._rowwise_data = rowwise_data
-        self._rowwise_scale_inv = rowwise_scale_inv
-        self._columnwise_data = columnwise_data
-        self._columnwise_scale_inv = columnwise_scale_inv
+        return cls._assemble(shape, dtype, fp8_dtype, device, requires_grad, rowwise_data, rowwise_scale_inv,
+                             columnwise_data, columnwise_scale_inv, splits, bool(is_2D_scaled),
+                             bool(force_pow_2_scales if pow2_scales is None else pow2_scales))
+
+    @classmethod
+    def _assemble(cls, shape, dtype, fp8_dtype, device, requires_grad, rowwise_data, rowwise_scale_inv,
+                  columnwise_data, columnwise_scale_inv, splits: Optional[OwnedSplits], is_2D_scaled: bool,
+                  force_pow_2_scales: bool) -> "Float8BlockwiseQTensor":
+        """The tensor over components already checked (the constructor's) or given by a launcher (``_of_launch``)."""
+        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+        self._rowwise_data, self._rowwise_scale_inv = rowwise_data, rowwise_scale_inv
+        self._columnwise_data, self._columnwise_scale_inv = columnwise_data, columnwise_scale_inv
         self._set_columnwise_m_splits(splits)
-        self._fp8_dtype = fp8_dtype
-        self._is_2D_scaled = bool(is_2D_scaled)
-        self._force_pow_2_scales = bool(force_pow_2_scales if pow2_scales is None else pow2_scales)
+        self._fp8_dtype, self._is_2D_scaled, self._force_pow_2_scales = fp8_dtype, is_2D_scaled, force_pow_2_scales
         return self
 
     @classmethod
@@ -194,12 +197,8 @@ class Float8BlockwiseQTensor(torch.Tensor):
                        is_2D_scaled=is_2D_scaled, force_pow_2_scales=force_pow_2_scales)
         device = (rowwise_data if rowwise_data is not None else columnwise_data).device
         splits = own_m_splits(columnwise_m_splits, math.prod(shape[:-1]), "columnwise_m_splits", device)
-        self = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
-        self._rowwise_data, self._rowwise_scale_inv = rowwise_data, rowwise_scale_inv
-        self._columnwise_data, self._columnwise_scale_inv = columnwise_data, columnwise_scale_inv
-        self._set_columnwise_m_splits(splits)
-        self._fp8_dtype, self._is_2D_scaled, self._force_pow_2_scales = fp8_dtype, is_2D_scaled, force_pow_2_scales
-        return self
+        return cls._assemble(shape, dtype, fp8_dtype, device, False, rowwise_data, rowwise_scale_inv,
+                             columnwise_data, columnwise_scale_inv, splits, is_2D_scaled, force_pow_2_scales)
 
     # ------------------------------------------------------------------ metadata
     @property
