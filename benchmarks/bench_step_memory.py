@@ -11,7 +11,7 @@ Per block: ``peak_mib``, the most memory allocated during one forward+backward a
 (the step's activations, its transients and the weight gradients it makes), and ``saved_mib``, what the forward
 leaves allocated for backward (the output included).
 
-- On the GPU: ``torch.cuda.max_memory_allocated`` and ``memory_allocated`` (``bench_step_memory``).
+- On the GPU: ``torch.cuda.max_memory_allocated`` and ``memory_allocated`` (``CudaBytes``; ``bench_step_memory``).
 - ``--cpu-faked``: the package's launches replaced by their fakes (``bench_host_time.faked_launches``: outputs of
   the kernels' shapes, nothing computed; the routing real), and the bytes of the tensors the step makes tracked
   storage by storage while they live (``LiveBytes``). The kernels allocate nothing else, so this is the GPU's
@@ -24,6 +24,7 @@ Run: ``python benchmarks/bench_step_memory.py --config qwen3_moe_like dsv3_ep8_r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 
@@ -77,39 +78,43 @@ class LiveBytes(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def step_memory_gpu(block, inputs) -> dict:
-    """``peak_mib`` and ``saved_mib`` of one cached step of ``block`` on the GPU (three steps before it)."""
-    step = utils.moe_step(block, *inputs, fp8_weights="cached")
-    for _ in range(3):
-        step()
-    block.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    x, ids, probs, dy = inputs
-    x.grad = None
-    y = block.forward_topk(x, ids, probs, is_first_microbatch=False)
-    saved = torch.cuda.memory_allocated() - before
-    y.backward(dy)
-    torch.cuda.synchronize()
-    return dict(peak_mib=(torch.cuda.max_memory_allocated() - before) / MIB, saved_mib=saved / MIB)
+class CudaBytes:
+    """Within: ``now`` and ``peak``, torch.cuda's allocated and max allocated memory above what was allocated on
+    entry (``LiveBytes``' figures on the GPU)."""
+
+    def __enter__(self):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.before = torch.cuda.memory_allocated()
+        return self
+
+    @property
+    def now(self) -> int:
+        return torch.cuda.memory_allocated() - self.before
+
+    @property
+    def peak(self) -> int:
+        return torch.cuda.max_memory_allocated() - self.before
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
 
 
-def step_memory_cpu_faked(block, inputs) -> dict:
-    """``peak_mib`` and ``saved_mib`` of one cached step of an FP8-Flow ``block`` on the CPU, launches faked and
-    the step's tensors tracked (``LiveBytes``)."""
+def step_memory(block, inputs, cpu_faked: bool) -> dict:
+    """``peak_mib`` and ``saved_mib`` of one cached step of ``block`` after three: on the GPU (``CudaBytes``), or
+    with ``cpu_faked`` on the CPU, launches faked and the step's tensors tracked (``LiveBytes``)."""
     x, ids, probs, dy = inputs
-    with faked_launches():
+    with faked_launches() if cpu_faked else contextlib.nullcontext():
         step = utils.moe_step(block, *inputs, fp8_weights="cached")
-        for _ in range(2):
+        for _ in range(3):
             step()
         block.zero_grad(set_to_none=True)
         x.grad = None
-        with LiveBytes() as live:
+        with LiveBytes() if cpu_faked else CudaBytes() as meter:
             y = block.forward_topk(x, ids, probs, is_first_microbatch=False)
-            saved = live.now
+            saved = meter.now
             y.backward(dy)
-    return dict(peak_mib=live.peak / MIB, saved_mib=saved / MIB)
+    return dict(peak_mib=meter.peak / MIB, saved_mib=saved / MIB)
 
 
 def rows_for(config: str, tokens: int, device: str) -> list[dict]:
@@ -122,8 +127,7 @@ def rows_for(config: str, tokens: int, device: str) -> list[dict]:
     for name, block in make_blocks(c["experts"], c["hidden"], c["ffn"], c["topk"], device).items():
         if device == "cpu" and not name.startswith("fp8_flow"):
             continue
-        measure = step_memory_cpu_faked if device == "cpu" else step_memory_gpu
-        rows.append(dict(shape, block=name, **measure(block, inputs)))
+        rows.append(dict(shape, block=name, **step_memory(block, inputs, cpu_faked=device == "cpu")))
         del block
     return rows
 
