@@ -49,8 +49,7 @@ def available(device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _available(device: torch.device) -> bool:
-    return (device.type == "cuda" and triton.__version__.startswith(TRITON_VERSION)
-            and is_hopper(device))
+    return triton.__version__.startswith(TRITON_VERSION) and is_hopper(device)
 
 
 def supports(a_dtype: torch.dtype, b_dtype: torch.dtype, n: int, out_dtype: torch.dtype) -> bool:
