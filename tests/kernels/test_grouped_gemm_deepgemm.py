@@ -1,12 +1,13 @@
 """The DeepGEMM backend of grouped_gemm / grouped_gemm_wgrad: against the float32 reference (ragged, empty
-and single-expert groups of multiples of 128 rows, host and device splits, accumulation into main_grad),
+and single-expert groups of multiples of 128 rows, host and device splits, accumulation into main_grad), the wgrad
+on device splits bitwise its host-splits call (eager and replayed from a CUDA graph),
 the choice ``auto`` makes (E4M3 -> DeepGEMM; HYBRID's E5M2 and unaligned groups -> another backend), no
 host sync, GroupedLinear on it, and a clear error where DeepGEMM is absent or cannot run the call."""
 
 import pytest
 import torch
 
-from conftest import CUDA, KERNEL_DEVICE, assert_no_host_sync, relerr
+from conftest import CUDA, KERNEL_DEVICE, assert_no_host_sync, relerr, same_bits
 from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise, quantize_grouped_weight
 from transformer_engine_moe.kernels import grouped_gemm_deepgemm as dg
 from transformer_engine_moe.module import GroupedLinear
@@ -86,8 +87,10 @@ def test_auto_picks_deepgemm_only_where_it_can_run():
     # written, not added (BF16, or float32: overwrite_main_grad): DeepGEMM would zero and add; cuBLAS or Triton
     assert pick(x.rowwise_data, E4M3, splits, wgrad=True) != "deepgemm"
     assert pick(x.rowwise_data, E4M3, splits, torch.float32, wgrad=True) != "deepgemm"
-    assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda"), torch.float32, wgrad=True,
-                accumulate=True) != "deepgemm"
+    # device splits: DeepGEMM's wgrad added into main_grad where the release reads them on the device
+    assert (pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda"), torch.float32, wgrad=True,
+                 accumulate=True) == "deepgemm") == dg.device_splits_wgrad()
+    assert pick(x.rowwise_data, E4M3, torch.tensor(splits, device="cuda"), torch.float32, wgrad=True) != "deepgemm"
     with pytest.raises(ValueError, match="multiples of 128"):
         grouped_gemm(x, w, [300, 212, 0, 0], backend="deepgemm")
     _, wt5, _, dy5 = operands(splits, fp8=E5M2)
@@ -115,6 +118,59 @@ def test_trailing_weightless_group(as_tensor):
     assert relerr(got, grouped_gemm_wgrad(dyt, xt, splits + [slack], num_groups=4, backend="reference")) < TOL
     if as_tensor:
         assert_no_host_sync(lambda: grouped_gemm(x, w, full, backend="deepgemm"))
+
+
+requires_device_splits_wgrad = pytest.mark.skipif(not HAVE_DG or not dg.device_splits_wgrad(),
+                                                  reason="needs a DeepGEMM release in dg.DEVICE_SPLITS_WGRAD on Hopper")
+
+
+@requires_device_splits_wgrad
+@pytest.mark.parametrize("splits", SPLITS + [[0, 384, 128, 512, 256], [0, 0, 0, 0, 1024]], ids=str)
+def test_wgrad_on_device_splits_is_bitwise_host_splits(splits):
+    """The wgrad on device-tensor splits (a nominal host list beside them, ``_nominal_ks``), written and added into
+    main_grad, four experts and a trailing weightless group or not: bitwise the host-splits call (each element's
+    reduction order does not move with DeepGEMM's launch configuration), with no host sync."""
+    _, _, x, dy = operands(splits)
+    st = torch.tensor(splits, device="cuda")
+    host = [scaling_aware_transpose(t, splits) for t in (dy, x)]
+    dev = [scaling_aware_transpose(t, st) for t in (dy, x)]
+    want = grouped_gemm_wgrad(*host, splits, num_groups=4, backend="deepgemm")
+    assert same_bits(grouped_gemm_wgrad(*dev, st, num_groups=4, backend="deepgemm"), want)
+    main_grad = torch.randn(want.shape, device="cuda")
+    on_host, on_device = main_grad.clone(), main_grad.clone()
+    grouped_gemm_wgrad(*host, splits, out=on_host, accumulate=True, num_groups=4, backend="deepgemm")
+    grouped_gemm_wgrad(*dev, st, out=on_device, accumulate=True, num_groups=4, backend="deepgemm")
+    assert same_bits(on_device, on_host)
+    assert_no_host_sync(lambda: grouped_gemm_wgrad(*dev, st, out=on_device, accumulate=True, num_groups=4,
+                                                   backend="deepgemm"))
+
+
+@requires_device_splits_wgrad
+def test_captured_wgrad_replays_other_routings_as_eager():
+    """Both transposes and the wgrad into main_grad captured once on device splits (four experts and a weightless
+    group); replayed after other routings are written into the splits tensor (ragged, all on one expert, all in the
+    weightless group), main_grad equals the eager host-splits call's bitwise."""
+    from utils import cuda_graph  # benchmarks/utils.py
+
+    x = quantize_blockwise(torch.randn(1280, 512, device="cuda"))
+    dy = quantize_blockwise(torch.randn(1280, 256, device="cuda"))
+    st = torch.tensor([256] * 5, device="cuda")
+    start = torch.randn(4, 256, 512, device="cuda")
+    main_grad = start.clone()
+
+    def step():
+        main_grad.copy_(start)
+        grouped_gemm_wgrad(scaling_aware_transpose(dy, st), scaling_aware_transpose(x, st), st, out=main_grad,
+                           accumulate=True, num_groups=4, backend="deepgemm")
+
+    graph = cuda_graph(step)
+    for splits in ([0, 384, 128, 512, 256], [1280, 0, 0, 0, 0], [128, 0, 896, 128, 128], [0, 0, 0, 0, 1280]):
+        st.copy_(torch.tensor(splits))
+        graph.replay()
+        want = start.clone()
+        grouped_gemm_wgrad(scaling_aware_transpose(dy, splits), scaling_aware_transpose(x, splits), splits, out=want,
+                           accumulate=True, num_groups=4, backend="deepgemm")
+        assert same_bits(main_grad, want), splits
 
 
 @requires_deepgemm
@@ -154,13 +210,68 @@ def test_which_host_splits_deepgemm_and_cublas_take(monkeypatch):
     monkeypatch.setattr(dg, "alignment", lambda: asked.append(1) or 128)
     assert dg.supports_wgrad(E4M3, E4M3, [0, 384, 128, 512]) and len(asked) == 1
     assert not dg.supports_wgrad(E4M3, E4M3, [0, 384, 100, 540]) and not dg.supports_wgrad(E4M3, E5M2, [128])
-    assert not dg.supports_wgrad(E4M3, E4M3, torch.tensor([128]))  # wgrad needs host splits
+    for version, reads_device_splits in (("2.8.2", True), ("2.9.0", False), (None, False)):
+        monkeypatch.setattr(dg, "_module", lambda: type("DeepGEMM", (), {"__version__": version} if version else {}))
+        assert dg.supports_wgrad(E4M3, E4M3, torch.tensor([128])) == reads_device_splits
+        call = GemmCall("wgrad_accumulate", E4M3, E4M3, torch.tensor([128]), torch.float32, deepgemm=True)
+        from transformer_engine_moe.ops.grouped_gemm import why_not
+        assert why_not("deepgemm", call) == (None if reads_device_splits else (
+            "it needs E4M3 operands, and groups of multiples of 128 rows as a host list (its wgrad takes "
+            f"device-tensor splits in DeepGEMM 2.8.2 only, found {version or 'no version'})"))
     assert dg.supports(E4M3, E4M3, torch.tensor([100]), torch.bfloat16)
     assert dg.supports(E4M3, E4M3, [256, 0], torch.bfloat16) and not dg.supports(E4M3, E4M3, [64, 192], torch.bfloat16)
     assert cublas.supports_wgrad(E4M3, E4M3, [0, 384, 128]) and cublas.supports_wgrad(E5M2, E4M3, (256,))
     assert not cublas.supports_wgrad(E4M3, E4M3, [128, 129])  # whole 1x128 blocks only
     assert not cublas.supports_wgrad(E4M3, E4M3, torch.tensor([128]))  # host splits only
     assert not cublas.supports_wgrad(E5M2, E5M2, [128])  # cuBLAS's FP8 pairs: not both E5M2
+
+
+@pytest.mark.parametrize("splits", [[0, 384, 128, 512], [128, 0, 0, 0, 256], [512, 0, 0, 0, 100], [0, 0, 0, 0, 0]],
+                         ids=str)
+def test_device_splits_wgrad_gives_deepgemm_the_device_sizes_and_a_nominal_host_list(monkeypatch, splits):
+    """A wgrad on device-tensor splits (``device_splits_wgrad``): DeepGEMM gets the G sizes as its ``ks_tensor`` and a
+    host ``ks`` of the same count whose total is the operands' whole 128-row blocks (the slack after the groups
+    included, never read), each a multiple of 128 and as even as they go. A fake ``deep_gemm`` holding the SM90
+    kernel's contract (host ``ks`` sizes the operands and scales; each group's rows found from ``ks_tensor``; empty
+    groups leave D = C) gives the reference's wgrad, written and added into ``main_grad``."""
+    seen = []
+
+    def k_grouped(a, b, d, ks, ks_tensor, c):
+        (a, sa), (b, sb) = a, b
+        n, k, total = d.shape[1], d.shape[2], sum(ks)
+        assert len(ks) == d.shape[0] == ks_tensor.numel() and all(q % 128 == 0 for q in ks) and c is d
+        assert a.numel() == total * n and b.numel() == total * k and sa.shape == (n, total // 128)
+        assert sb.shape == (k, total // 128) and ks_tensor.dtype == torch.int32 and int(ks_tensor.sum()) <= total
+        seen.append(list(ks))
+        start = 0
+        for g, size in enumerate(ks_tensor.tolist()):
+            blocks = slice(start // 128, (start + size) // 128)
+            ag = a[start * n:(start + size) * n].view(n, size).float() * sa[:, blocks].repeat_interleave(128, 1)
+            bg = b[start * k:(start + size) * k].view(k, size).float() * sb[:, blocks].repeat_interleave(128, 1)
+            d[g] += ag @ bg.t()
+            start += size
+
+    monkeypatch.setattr(dg, "_module", lambda: type("DeepGEMM", (), dict(
+        __version__="2.8.2", k_grouped_fp8_gemm_nt_contiguous=staticmethod(k_grouped),
+        get_mk_alignment_for_contiguous_layout=lambda: 128)))
+    groups, m = 4, sum(splits)
+    x = quantize_blockwise(torch.randn(m, 256, device=KERNEL_DEVICE))
+    dy = quantize_blockwise(torch.randn(m, 128, device=KERNEL_DEVICE))
+    st = torch.tensor(splits, device=KERNEL_DEVICE)
+    xt, dyt = scaling_aware_transpose(x, st), scaling_aware_transpose(dy, st)
+    ref = grouped_gemm_wgrad(scaling_aware_transpose(dy, splits), scaling_aware_transpose(x, splits), splits,
+                             num_groups=groups, backend="reference")
+    a, sa, b, sb = dyt.columnwise_data, dyt.columnwise_scale_inv, xt.columnwise_data, xt.columnwise_scale_inv
+    out = dg.grouped_gemm_wgrad(a, sa, b, sb, st[:groups])
+    assert out.shape == (groups, 128, 256) and relerr(out, ref) < 1e-5
+    main_grad = torch.randn(ref.shape, device=KERNEL_DEVICE)
+    want = main_grad + ref
+    assert dg.grouped_gemm_wgrad(a, sa, b, sb, st[:groups], out=main_grad, accumulate=True) is main_grad
+    assert relerr(main_grad, want) < 1e-5
+    ks = seen[-1]
+    assert len(seen) == 2 and ks == seen[0] and sum(ks) == m // 128 * 128 and max(ks) - min(ks) < 128 * groups
+    with pytest.raises(ValueError, match="multiple of 128"):  # CPU splits; on the GPU an assert, no host sync
+        dg.grouped_gemm_wgrad(a, sa, b, sb, torch.tensor([100, 28, 0, 0]))
 
 
 @pytest.mark.parametrize("splits", [[0, 384, 128, 512], [128, 0, 0, 0, 256], [0, 0, 0, 0]], ids=str)

@@ -348,14 +348,15 @@ def test_auto_policy_per_shape(monkeypatch, deepgemm):
     """Which backend 'auto' runs each GEMM on (``auto_backend``, the one place it is decided), from the call's facts
     alone: DeepGEMM first for fprop/dgrad where it runs (E4M3, groups of multiples of 128); cuBLAS (cuBLASLt per
     expert, any reduction dim now) only where its launch per expert pays (``cublas_pays``); Triton otherwise, and
-    for device splits wherever DeepGEMM cannot take them; the reference off the GPU."""
+    for device splits wherever DeepGEMM cannot take them (its wgrad: only added into main_grad, on the releases that
+    read device splits); the reference off the GPU."""
     from transformer_engine_moe.kernels import grouped_gemm_deepgemm
 
     monkeypatch.setattr(grouped_gemm_deepgemm, "alignment", lambda: 128)
     bf16, f32 = torch.bfloat16, torch.float32
 
     def pick(kind, splits, weight, a=E4M3, out=bf16, **kw):
-        return auto_backend(GemmCall(kind, a, E4M3, splits, out, weight, deepgemm=deepgemm, cublaslt=True, **kw))
+        return auto_backend(GemmCall(kind, a, E4M3, splits, out, weight, deepgemm=deepgemm, **{"cublaslt": True, **kw}))
 
     dg_or = lambda other: "deepgemm" if deepgemm else other  # noqa: E731
     # fprop/dgrad at Qwen3 shapes (K 2048 or 768): DeepGEMM, else Triton (too little work per cuBLAS launch)
@@ -372,9 +373,26 @@ def test_auto_policy_per_shape(monkeypatch, deepgemm):
         assert pick(kind, [1024] * 128, V3_FC2, out=out) == "cublas"
         assert pick(kind, QWEN_SPLITS, QWEN_FC1, out=out) == (dg_or("triton") if kind == "wgrad_accumulate" else "triton")
     assert pick("wgrad_accumulate", QWEN_SPLITS, QWEN_FC1, out=f32, out_list=True) == "triton"
-    # device splits: DeepGEMM's fprop takes them (aligned on the device), nothing else but Triton
+    # device splits: DeepGEMM's fprop takes them (aligned on the device), and its wgrad added into main_grad where
+    # the installed release reads them on the device (``DEVICE_SPLITS_WGRAD``); Triton otherwise
     splits = torch.tensor(QWEN_SPLITS)
     assert pick("fprop", splits, V3_FC1) == dg_or("triton") and pick("wgrad", splits, V3_FC1) == "triton"
+    for reads_them in (True, False):
+        monkeypatch.setattr(grouped_gemm_deepgemm, "device_splits_wgrad", lambda: reads_them)
+        assert pick("wgrad_accumulate", splits, V3_FC1, out=f32) == ("deepgemm" if deepgemm and reads_them
+                                                                     else "triton")
+        # written: DeepGEMM zeroes a float32 copy, adds and casts; it pays from 4096 rows per expert on average
+        # (M / G: known on the host for device splits too), where cuBLAS cannot take device splits
+        big = torch.tensor([16384] * 8)
+        for out in (bf16, f32):
+            assert pick("wgrad", splits, V3_FC1, out=out, rows=131072) == "triton"  # 1024 rows per expert
+            assert pick("wgrad", big, V3_FC1, out=out, rows=131072) == ("deepgemm" if deepgemm and reads_them
+                                                                       else "triton")
+            assert pick("wgrad", torch.tensor([2048] * 64), V3_FC1, out=out, rows=131072) == "triton"
+    # host splits: cuBLAS writes large experts' wgrads; where cuBLASLt cannot run, DeepGEMM from 4096 rows on average
+    assert pick("wgrad", [16384] * 8, V3_FC1, rows=131072) == "cublas"
+    assert pick("wgrad", [16384] * 8, V3_FC1, rows=131072, cublaslt=False) == dg_or("triton")
+    assert pick("wgrad", [2048] * 64, V3_FC1, rows=131072, cublaslt=False) == "triton"
     assert auto_backend(GemmCall("fprop", E4M3, E4M3, QWEN_SPLITS, bf16, QWEN_FC1, cuda=False)) is None
 
 

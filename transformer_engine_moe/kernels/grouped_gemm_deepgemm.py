@@ -15,10 +15,11 @@ are ours (no copies of the operands on the way in):
 - wgrad, ``k_grouped_fp8_gemm_nt_contiguous``: both operands expert-major (the
   grouped columnwise layout, ``layout.py``): group g's ``[N, m_g]`` block after group
   g-1's, and the block-major 128x1 scales ``[num_column_blocks, N]`` seen as the
-  MN-major ``[N, sum m_g/128]`` DeepGEMM wants (a transposed view, no copy). It needs
-  the per-expert row counts as a host list (the dispatcher's), each a multiple of 128,
-  and computes ``D = C + A B^T`` into float32 ``[G, N, K]``: the natural fit for
-  Megatron's ``main_grad`` (C = D, accumulated in place). Without ``accumulate`` the
+  MN-major ``[N, sum m_g/128]`` DeepGEMM wants (a transposed view, no copy). Row counts
+  each a multiple of 128, as a host list (the dispatcher's) or, where this DeepGEMM release
+  reads them on the device (``device_splits_wgrad``), a device tensor (no host sync,
+  CUDA-graph capturable). It computes ``D = C + A B^T`` into float32 ``[G, N, K]``: the natural
+  fit for Megatron's ``main_grad`` (C = D, accumulated in place). Without ``accumulate`` the
   output is zeroed first; another ``out_dtype`` is a cast of the float32 result.
 
 E5M2 operands (the HYBRID recipe's gradients) are not supported by DeepGEMM on SM90:
@@ -83,9 +84,30 @@ def supports(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits, out_dtype: to
             and _aligned(m_splits))
 
 
+# DeepGEMM releases whose SM90 k-grouped wgrad takes each group's size from ``ks_tensor`` on the device (read in
+# 2.8.2's source, tested bitwise against host splits on the GPU): its scheduler walks ``grouped_layout`` group by
+# group and moves the TMA descriptors to each group's rows on the device; the host ``ks`` only picks the launch
+# configuration (from the largest group), bounds the scale descriptors (its total) and seeds the first operand
+# descriptor, which the kernel rewrites before its first load. So a device-splits wgrad gives it a nominal host
+# list of the same count and total (``_nominal_ks``). Any other release: host splits only (a device tensor's wgrad
+# runs on Triton), as that reading is not DeepGEMM's documented contract.
+DEVICE_SPLITS_WGRAD = ("2.8.2",)
+
+
+@torch.compiler.assume_constant_result
+def device_splits_wgrad() -> bool:
+    """Whether the installed DeepGEMM runs a wgrad on device-tensor splits (``DEVICE_SPLITS_WGRAD``)."""
+    return getattr(_module(), "__version__", None) in DEVICE_SPLITS_WGRAD
+
+
 def supports_wgrad(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits) -> bool:
-    """Whether wgrad can run here: E4M3 operands, host splits, each a multiple of the alignment."""
-    return a_dtype == b_dtype == torch.float8_e4m3fn and isinstance(m_splits, list) and _aligned(m_splits)
+    """Whether wgrad can run here: E4M3 operands; host splits each a multiple of the alignment, or a device tensor
+    (its alignment asserted on the device) where ``device_splits_wgrad``."""
+    if not a_dtype == b_dtype == torch.float8_e4m3fn:
+        return False
+    if isinstance(m_splits, torch.Tensor):
+        return device_splits_wgrad()
+    return isinstance(m_splits, list) and _aligned(m_splits)
 
 
 def _m_indices(m_splits, m: int, device, num_weights: int) -> torch.Tensor:
@@ -152,18 +174,35 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
                        out_dtype=torch.float32, config=None):
     """As ``kernels.grouped_gemm.grouped_gemm_wgrad``, on expert-major operands: ``C_g [N, K] =
     A_g^T B_g`` over group g's rows, float32 accumulation into ``out`` (added to it when
-    ``accumulate``) or a new ``[G, N, K]`` tensor in ``out_dtype``. ``m_splits``: host list (of the leading
-    rows: those after it, a weightless group, are left out of the operands DeepGEMM sees)."""
+    ``accumulate``) or a new ``[G, N, K]`` tensor in ``out_dtype``. ``m_splits``: G sizes of the leading rows (those
+    after them, a weightless group, are never read), a host list or, where ``device_splits_wgrad``, a device tensor."""
     if isinstance(out, list):
         raise ValueError("deepgemm: wgrad's out must be one float32 [G, N, K] tensor (DeepGEMM's D), not a list")
-    n, k, groups, rows = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1], len(m_splits), sum(m_splits)
+    n, k, groups = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1], len(m_splits)
     d = out if out is not None else torch.empty((groups, n, k), dtype=torch.float32, device=a_t.device)
     if not accumulate:
         d.zero_()
     if groups:
+        if isinstance(m_splits, torch.Tensor):
+            check_on_device((m_splits % alignment() == 0).all(),
+                            f"deepgemm: every group's rows must be a multiple of {alignment()}")
+            # the groups lie in the leading whole 128-row blocks of the operands' M rows (each group aligned); the
+            # kernel reads their sizes from the device tensor and never reaches the rows after them
+            rows = a_t.numel() // max(n, 1) // 128 * 128
+            ks, ks_tensor = _nominal_ks(rows, groups), m_splits.to(torch.int32).contiguous()
+        else:
+            rows = sum(m_splits)
+            ks, ks_tensor = list(m_splits), m_splits_tensor(m_splits, a_t.device, torch.int32)
         blocks = rows // 128  # whole 128-row column blocks (every group aligned)
         _module().k_grouped_fp8_gemm_nt_contiguous(
             (a_t.view(-1)[:rows * n], a_t_scale_inv[:blocks].t()),
-            (b_t.view(-1)[:rows * k], b_t_scale_inv[:blocks].t()), d, list(m_splits),
-            m_splits_tensor(m_splits, a_t.device, torch.int32), c=d)
+            (b_t.view(-1)[:rows * k], b_t_scale_inv[:blocks].t()), d, ks, ks_tensor, c=d)
     return d if out is not None or out_dtype == torch.float32 else d.to(out_dtype)
+
+
+def _nominal_ks(rows: int, groups: int) -> list[int]:
+    """The host ``ks`` of a device-splits wgrad (``DEVICE_SPLITS_WGRAD``): ``groups`` multiples of 128 summing to
+    ``rows`` (a multiple of 128), as even as they go: the balanced routing, whose largest group picks the launch
+    configuration a host-splits call of that routing gets."""
+    each = rows // 128 // groups * 128
+    return [rows - each * (groups - 1)] + [each] * (groups - 1)

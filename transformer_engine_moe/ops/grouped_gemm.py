@@ -7,7 +7,8 @@ each, same signatures):
 
 - ``"deepgemm"`` (``kernels/grouped_gemm_deepgemm.py``, optional): DeepGEMM's grouped
   kernels, one launch per GEMM. E4M3 only, groups of multiples of 128 rows; fprop/dgrad
-  take host or device splits (no host sync), wgrad needs host splits.
+  take host or device splits (no host sync), wgrad too on the DeepGEMM releases checked to read
+  them on the device (``DEVICE_SPLITS_WGRAD``), else host splits.
 - ``"cublas"``: one cuBLASLt GEMM per non-empty expert (``kernels/cublaslt.py``; wgrads added into
   ``main_grad`` in place); host ``m_splits``, fprop/dgrad groups of multiples of 16 rows (any reduction
   dim), wgrad groups of multiples of 128 rows, see ``kernels/grouped_gemm_cublas.py``.
@@ -27,9 +28,10 @@ reads those rows. ``FP8FlowMoE(device_splits=True)`` puts its worst-case buffer'
   The order was measured (docs/grouped_gemm.md, ``benchmarks/bench_grouped_gemm.py``): DeepGEMM
   for fprop/dgrad, cuBLAS for wgrads (written in BF16 or float32, or added into ``main_grad``).
 
-Host splits: the cuBLAS backend and DeepGEMM's wgrad read the per-expert row counts on
-the host. They use the list the dispatcher already holds (``tokens_per_expert``), never a
-copy of a device tensor: a device tensor sends those calls to Triton. What the kernels read of a
+Host splits: the cuBLAS backend reads the per-expert row counts on the host (so does DeepGEMM's
+wgrad on a release not in ``DEVICE_SPLITS_WGRAD``). It uses the list the dispatcher already holds
+(``tokens_per_expert``), never a copy of a device tensor: a device tensor sends those calls to
+DeepGEMM (a wgrad added into float32 ``main_grad``), Gluon (fprop/dgrad) or Triton. What the kernels read of a
 host list on the device (group sizes, DeepGEMM's per-row groups) is made once per (splits, stream)
 and shared by the layer's GEMMs and transposes (``layout.m_splits_tensor``, ``layout.row_groups``).
 
@@ -61,8 +63,13 @@ GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "gluon", "triton", "reference")
 # Gluon's fprop/dgrad before Triton's: 1004-1013 TFLOP/s against 789-791 at DeepSeek-V3's 7168 -> 4096, 850 against
 # 711 at 2048 -> 7168, 830 / 551 against 689 / 500 at Qwen3's 2048 -> 1536 / 768 -> 2048 (H200, same call; DeepGEMM
 # 1058-1211 in it, docs/grouped_gemm.md).
-AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "gluon", "triton"), "wgrad": ("cublas", "triton"),
+AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "gluon", "triton"), "wgrad": ("cublas", "deepgemm", "triton"),
               "wgrad_accumulate": ("cublas", "deepgemm", "triton")}
+# A written wgrad on DeepGEMM (a zeroed float32 [G, N, K] accumulated, then cast) pays only for large experts:
+# device splits (the CUDA-graph path, where cuBLAS cannot run), H200 2026-11-28: 729 / 714 TFLOP/s against Triton's
+# 713 / 654 at 4096 rows per expert (fc1 / fc2), 583 / 587 against 624 / 622 at 2048 (H100 at 8192 and 16384 rows:
+# 785-874 against 589-702). So "auto" takes it for a written wgrad only where the experts average this many rows.
+DEEPGEMM_WRITTEN_MIN_MEAN_ROWS = 4096
 # "auto" takes cuBLAS only for experts this large on average: below it, its one launch per expert costs
 # more host time than GPU time (all three GEMMs on cuBLAS, 128 experts of ~512 rows: 89 ms step for 65 ms
 # of GPU work). A BF16 wgrad at 512 rows still pays: 601/451 TFLOP/s (fc1/fc2) against Triton's 380/374,
@@ -74,6 +81,14 @@ CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_accumulate": 512}
 # deepseek_small (weights 2048 x 2048 and 1024 x 2048, 512 rows per expert, EP=1, one H200) ran host-bound
 # with cuBLAS wgrads, 145 ms per iteration for 105 ms of GPU work.
 CUBLAS_MIN_WEIGHT = 2048 * 7168
+
+
+def deepgemm_pays(call: "GemmCall") -> bool:
+    """Whether "auto" may take DeepGEMM for ``call``: always but for a written wgrad, there where the experts
+    average ``DEEPGEMM_WRITTEN_MIN_MEAN_ROWS`` rows (``call.rows`` over the groups: known on the host for device
+    splits too)."""
+    groups = len(call.m_splits)
+    return call.kind != "wgrad" or groups > 0 and call.rows >= DEEPGEMM_WRITTEN_MIN_MEAN_ROWS * groups
 
 
 def cublas_pays(kind: str, m_splits: list, weight_elements: int) -> bool:
@@ -93,7 +108,8 @@ class GemmCall:
     ``m_splits`` (host list or device tensor); the output dtype; ``weight_elements``: N x K of one expert's weight
     (``cublas_pays``); ``out_list``: a wgrad's ``out`` is G separate tensors; ``cuda``: the operands are on a GPU,
     where ``deepgemm`` (importable, Hopper), ``cublaslt`` (>= 12.9, Hopper) and ``gluon`` (Hopper, Triton 3.6) can
-    run or not; ``n``: the output's columns (the Gluon kernel's tiles are 256 wide)."""
+    run or not; ``n``: the output's columns (the Gluon kernel's tiles are 256 wide); ``rows``: M, the rows the
+    splits divide (``deepgemm_pays``)."""
 
     kind: str
     a_dtype: torch.dtype
@@ -107,14 +123,15 @@ class GemmCall:
     cublaslt: bool = False
     gluon: bool = False
     n: int = 0
+    rows: int = 0
 
     @classmethod
     def of(cls, kind: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, out_dtype: torch.dtype,
-           weight_elements: int = 0, out_list: bool = False, n: int = 0) -> "GemmCall":
+           weight_elements: int = 0, out_list: bool = False, n: int = 0, rows: int = 0) -> "GemmCall":
         """The call on ``a`` (the first operand's FP8 data) and its device."""
         return cls(kind, a.dtype, b_dtype, m_splits, out_dtype, weight_elements, out_list, a.is_cuda,
                    a.is_cuda and deepgemm.available(a.device), a.is_cuda and cublaslt.available(a.device),
-                   a.is_cuda and gluon_available(a.device), n)
+                   a.is_cuda and gluon_available(a.device), n, rows)
 
 
 @functools.cache
@@ -155,9 +172,14 @@ def why_not(backend: str, call: GemmCall) -> Optional[str]:
             return "it writes one float32 [G, N, K] buffer, and out is G separate tensors"
         ok = (deepgemm.supports_wgrad(call.a_dtype, call.b_dtype, call.m_splits) if wgrad
               else deepgemm.supports(call.a_dtype, call.b_dtype, call.m_splits, call.out_dtype))
-        return None if ok else (
-            f"it needs E4M3 operands{'' if wgrad else ', BF16 output'}, and groups of multiples of "
-            f"{deepgemm.alignment()} rows{' as a host list' if wgrad else ''}")
+        if ok:
+            return None
+        where = (f" as a host list (its wgrad takes device-tensor splits in DeepGEMM "
+                 f"{' or '.join(deepgemm.DEVICE_SPLITS_WGRAD)} only, found "
+                 f"{getattr(deepgemm._module(), '__version__', 'no version')})"
+                 if wgrad and isinstance(call.m_splits, torch.Tensor) else "")
+        return (f"it needs E4M3 operands{'' if wgrad else ', BF16 output'}, and groups of multiples of "
+                f"{deepgemm.alignment()} rows{where}")
     if not call.cublaslt:
         return "it needs a Hopper (SM90) GPU and cuBLASLt >= 12.9 (blockwise scales) in the process"
     if wgrad:
@@ -176,6 +198,8 @@ def auto_backend(call: GemmCall, skip: tuple = ()) -> Optional[str]:
     for name in (n for n in AUTO_ORDER[call.kind] if n not in skip):
         if name == "cublas" and isinstance(call.m_splits, list) and not cublas_pays(call.kind, call.m_splits,
                                                                                      call.weight_elements):
+            continue
+        if name == "deepgemm" and not deepgemm_pays(call):
             continue
         if why_not(name, call) is None:
             return name
@@ -270,7 +294,7 @@ def grouped_gemm(inp: Float8BlockwiseQTensor, weight: Float8BlockwiseQTensor, m_
         raise TypeError(f"out_dtype must be bf16/fp16/fp32, got {out_dtype}")
     m_splits, _ = _check_splits(m_splits, inp.shape[0], weight.shape[0], a.device)
     call = GemmCall.of("fprop", a, b.dtype, m_splits, out_dtype, weight_elements=weight.shape[1] * weight.shape[2],
-                       n=weight.shape[1])
+                       n=weight.shape[1], rows=inp.shape[0])
     return _run(backend, call, a, "grouped_gemm",
                 lambda impl: impl.grouped_gemm(a, a_scale, b, b_scale, m_splits, out_dtype))
 
@@ -377,7 +401,7 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
         raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
     call = GemmCall.of("wgrad_accumulate" if accumulate else "wgrad", a, b.dtype, m_splits,
                        out_dtype if out is None else torch.float32, weight_elements=shape[1] * shape[2],
-                       out_list=isinstance(out, list))
+                       out_list=isinstance(out, list), rows=inp.shape[0])
     result = _run(backend, call, a, "grouped_gemm_wgrad",
                   lambda impl: impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, out_dtype))
     return result if given is None else given
