@@ -2,7 +2,9 @@
 (``GraphedFP8FlowMoE``, Megatron's ``--moe-fp8-flow-cuda-graph``), on the GPU.
 
 Shapes ``--config`` of ``bench_host_time.CONFIGS``, default ``qwen3_moe_like`` (issue 37): 128 experts, hidden
-2048, ffn 768, top-8, 16384 and 4096 tokens per micro-batch (``--tokens`` for others). The block is called as
+2048, ffn 768, top-8, 16384 and 4096 tokens per micro-batch (``--tokens`` for others); ``dsv3_ep8_rank`` (32
+experts of DeepSeek-V3's, 4096 rows each) with ``--fuse-wgrad-accumulation`` is where the captured wgrads' backend
+matters most (DeepGEMM's into ``main_grad`` on device splits, issue 39). The block is called as
 Megatron calls it, with the router's ``probs [T, E]`` and ``routing_map [T, E]``. Step: forward + backward of
 a micro-batch after a step's first (FP8 weights cached: ``utils.FP8_WEIGHTS["cached"]``), the weights under
 Megatron DDP's gradient contract (a float32 ``main_grad`` and DDP's hook, ``utils.ddp_main_grad_hooks``; without
@@ -24,7 +26,8 @@ GPU, ``wall_ms`` until the GPU is done, ``gpu_ms`` kernel time per step (torch p
 launches by the host per step (a graphed step's kernels come from its two graph launches, not counted);
 ``vs_bf16_grouped_mm``: the baseline's ``wall_ms`` over the row's, where this call measured the baseline.
 
-Run on a GPU: ``python benchmarks/bench_graphed_moe.py [--tokens 4096]``.
+Results: ``bench_graphed_moe`` (``qwen3_moe_like``) or ``bench_graphed_moe_<config>``. Run on a GPU:
+``python benchmarks/bench_graphed_moe.py [--config dsv3_ep8_rank] [--tokens 4096] [--fuse-wgrad-accumulation]``.
 """
 
 from __future__ import annotations
@@ -110,7 +113,8 @@ def main():
             if r["tokens"] == tokens and base:
                 r["vs_bf16_grouped_mm"] = base / r["wall_ms"]
     path = utils.write_results(
-        "bench_graphed_moe", "Host time vs GPU time of one FP8-Flow MoE layer step, eager and from CUDA graphs",
+        f"bench_graphed_moe{'' if args.config == 'qwen3_moe_like' else '_' + args.config}",
+        "Host time vs GPU time of one FP8-Flow MoE layer step, eager and from CUDA graphs",
         {**env, "fuse_wgrad_accumulation": args.fuse_wgrad_accumulation}, {}, rows,
         ["config", "experts", "hidden", "ffn", "topk", "tokens", "block", "host_ms", "wall_ms", "gpu_ms", "launches",
          "host_over_gpu", "vs_bf16_grouped_mm"],

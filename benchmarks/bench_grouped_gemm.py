@@ -19,8 +19,8 @@ waits on the host. Ops:
   buffer (Megatron's DDP layout of per-expert weights' ``main_grad``s: no ``[G, N, K]`` view, so no
   DeepGEMM); BF16's row adds ``grouped_mm``'s output per expert.
 
-Backends: ``deepgemm`` (when installed), ``cublas`` (one cuBLAS GEMM per expert: ``torch._scaled_mm`` for
-fprop/dgrad, cuBLASLt itself for wgrad), ``triton``
+Backends: ``deepgemm`` (when installed; its wgrads also on device-tensor splits where the release takes them,
+``splits`` = device: the CUDA-graph path's), ``cublas`` (one cuBLAS GEMM per expert, cuBLASLt itself), ``triton``
 (device-tensor splits, no host sync), ``gluon`` (fprop/dgrad on the Gluon kernel, device-tensor splits; Hopper
 under Triton 3.6; its wgrad is Triton's, so no wgrad rows) and ``bf16`` (``torch._grouped_mm``). Every FP8 output
 is checked against the float32 reference before it is timed. ``auto`` marks the backend ``ops.grouped_gemm`` picks.
@@ -75,9 +75,9 @@ def operands(e, m, n, k, device="cuda"):
                 acc=acc, acc_reversed=list(acc.unbind(0))[::-1])  # same memory, expert g in slot G-1-g
 
 
-def calls(o, backend):
-    """The GEMMs on ``backend`` (host splits; Triton's and Gluon's on the device tensor)."""
-    s, t = (o["st"], "_st") if backend in ("triton", "gluon") else (o["splits"], "")
+def calls(o, backend, device_splits):
+    """The GEMMs on ``backend``, on the host splits or the device tensor."""
+    s, t = (o["st"], "_st") if device_splits else (o["splits"], "")
     dyt, xt = o["dyt" + t], o["xt" + t]
     return {
         "fprop": lambda: grouped_gemm(o["xq"], o["w"], s, backend=backend),
@@ -102,7 +102,7 @@ def bf16_calls(o):
 
 def references(o, ops):
     """The float32 reference of each op in ``ops`` (wgrad rounded to BF16: the [G, N, K] float32 is large)."""
-    fns = calls(o, "reference")
+    fns = calls(o, "reference", False)
     fns["wgrad"] = lambda: grouped_gemm_wgrad(o["dyt"], o["xt"], o["splits"], out_dtype=torch.bfloat16,
                                               backend="reference")
     refs = {op: fns[op]() for op in ("fprop", "dgrad", "wgrad") if op in ops or op == "wgrad" and "wgrad_fp32" in ops}
@@ -111,15 +111,30 @@ def references(o, ops):
     return refs
 
 
-def auto_backend(o, op, n, k) -> str:
-    """The backend ``backend="auto"`` picks for ``op`` on these operands."""
+def auto_backend(o, op, n, k, device_splits) -> str:
+    """The backend ``backend="auto"`` picks for ``op`` on these operands and splits."""
     wgrad = op.startswith("wgrad")
     a = o["dyt"].columnwise_data if wgrad else (o["xq"] if op == "fprop" else o["dyq"]).rowwise_data
     out = torch.bfloat16 if op in ("fprop", "dgrad", "wgrad") else torch.float32
     kind = ("wgrad_accumulate" if op.startswith("wgrad_main_grad") else "wgrad") if wgrad else "fprop"
-    call = GemmCall.of(kind, a, torch.float8_e4m3fn, o["splits"], out, weight_elements=n * k,
-                       out_list=op == "wgrad_main_grad_reversed", n=n if op == "fprop" else k)
+    call = GemmCall.of(kind, a, torch.float8_e4m3fn, o["st"] if device_splits else o["splits"], out,
+                       weight_elements=n * k, out_list=op == "wgrad_main_grad_reversed", n=n if op == "fprop" else k,
+                       rows=o["xq"].shape[0])
     return _impl("auto", call, a, op).name
+
+
+def splits_per_backend(backends) -> list[tuple[str, bool]]:
+    """(backend, on device splits) pairs to time: Triton and Gluon on the device tensor (what they run either way),
+    cuBLAS and BF16 on host splits, DeepGEMM on both where its wgrad takes device splits
+    (``grouped_gemm_deepgemm.device_splits_wgrad``: the CUDA-graph path's wgrad)."""
+    from transformer_engine_moe.kernels import grouped_gemm_deepgemm as dg
+
+    pairs = []
+    for backend in backends:
+        pairs.append((backend, backend in ("triton", "gluon")))
+        if backend == "deepgemm" and dg._module() is not None and dg.device_splits_wgrad():
+            pairs.append((backend, True))
+    return pairs
 
 
 def run(rows_per_expert, gemm, ops, shape="deepseek_v3", backends=FP8_BACKENDS + ("bf16",)) -> list[dict]:
@@ -130,12 +145,15 @@ def run(rows_per_expert, gemm, ops, shape="deepseek_v3", backends=FP8_BACKENDS +
     refs = references(o, ops)
     flops = 2 * m * n * k
     out = []
-    for backend in backends:
-        fns = bf16_calls(o) if backend == "bf16" else calls(o, backend)
+    for backend, device_splits in splits_per_backend(backends):
+        fns = bf16_calls(o) if backend == "bf16" else calls(o, backend, device_splits)
         for op, fn in fns.items():
             if op not in ops or backend == "gluon" and op.startswith("wgrad"):  # Gluon's wgrad is Triton's
                 continue
-            row = dict(shape=shape, rows_per_expert=rows_per_expert, experts=e, gemm=gemm, op=op, backend=backend)
+            if backend == "deepgemm" and device_splits and not op.startswith("wgrad"):
+                continue  # its fprop/dgrad on device splits: the same kernel, rows under host splits
+            row = dict(shape=shape, rows_per_expert=rows_per_expert, experts=e, gemm=gemm, op=op, backend=backend,
+                       splits="device" if device_splits else "host")
             try:
                 if backend != "bf16" and not op.startswith("wgrad_main_grad"):  # a wrong FP8 result is never timed
                     err = relerr(fn(), refs[op])
@@ -147,7 +165,7 @@ def run(rows_per_expert, gemm, ops, shape="deepseek_v3", backends=FP8_BACKENDS +
                 out.append(dict(row, ms=float("nan"), tflops=float("nan"), host_ms=float("nan"),
                                 auto=f"n/a: {str(exc)[:70]}"))
                 continue
-            picked = backend != "bf16" and auto_backend(o, op, n, k) == backend
+            picked = backend != "bf16" and auto_backend(o, op, n, k, device_splits) == backend
             out.append(dict(row, ms=ms, tflops=flops / ms / 1e9, host_ms=utils.busy_host_ms(fn),
                             auto="yes" if picked else ""))
     return out
@@ -196,14 +214,16 @@ def main():
         path = utils.write_results(
             f"bench_grouped_gemm{shape}{args.suffix}", "Grouped blockwise FP8 GEMMs per backend vs BF16 grouped_mm "
             "(TFLOP/s)", env, ceil, results,
-            ["shape", "rows_per_expert", "experts", "gemm", "op", "backend", "tflops", "ms", "host_ms", "auto"],
+            ["shape", "rows_per_expert", "experts", "gemm", "op", "backend", "splits", "tflops", "ms", "host_ms",
+             "auto"],
             notes=(f"{args.shape}: " + "; ".join(f"{g}: N={n}, K={k}" for g, (n, k) in gemms.items()) + ". "
                    f"{TOTAL_ROWS} rows (at most {MAX_EXPERTS} experts). host_ms: one call's host time with the GPU "
                    "busy behind a queued sleep (3 calls). "
                    f"Triton launch shapes: fprop/dgrad {kg.GEMM_CONFIG} (BLOCK_N, GROUP_M, warps, stages), wgrad "
                    f"{kg.WGRAD_CONFIG} (BLOCK_N, BLOCK_K, warps, stages). auto=yes: the backend ops.grouped_gemm "
-                   "picks with backend='auto' for this call. Every FP8 output checked against the float32 "
-                   "reference first (the wgrad_main_grad ops share wgrad's check)."))
+                   "picks with backend='auto' for this call on these splits (host list or device tensor). Every "
+                   "FP8 output checked against the float32 reference first (the wgrad_main_grad ops share "
+                   "wgrad's check)."))
     print(path.read_text())
 
 

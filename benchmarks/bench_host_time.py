@@ -5,7 +5,9 @@ Configurations (``--config``, ``CONFIGS``; the MoE layers of ``bench_megatron_pr
 - ``deepseek_small``: 64 experts, hidden 2048, ffn 1024, top-8, 4096 tokens (about 512 rows per expert), where
   the FP8-Flow iteration was bound by its host (docs/megatron.md);
 - ``qwen3_moe_like``: Qwen3-30B-A3B's MoE layer, 128 experts, hidden 2048, ffn 768, top-8, at 16384 and 4096
-  tokens per step (Megatron micro-batches of 4 and 1 sequences of 4096).
+  tokens per step (Megatron micro-batches of 4 and 1 sequences of 4096);
+- ``dsv3_ep8_rank``: one EP=8 rank of DeepSeek-V3's experts, 32 local experts, hidden 7168, ffn 2048, top-8, 16384
+  tokens (the 4096 rows per expert such a rank receives).
 
 Step: forward + backward with the local dispatcher, the FP8 weights cached as on a step's later micro-batches
 (``is_first_microbatch=True`` once, then ``False``), gradients set to None first (``utils.moe_step``). Blocks,
@@ -62,7 +64,8 @@ from baselines import BF16GroupedMMBlock
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx", "cuLaunchKernel")
 # name -> the layer's shapes: experts, hidden, ffn, top-k, and tokens per step (one row set per token count)
 CONFIGS = {"deepseek_small": dict(experts=64, hidden=2048, ffn=1024, topk=8, tokens=(4096,)),
-           "qwen3_moe_like": dict(experts=128, hidden=2048, ffn=768, topk=8, tokens=(16384, 4096))}
+           "qwen3_moe_like": dict(experts=128, hidden=2048, ffn=768, topk=8, tokens=(16384, 4096)),
+           "dsv3_ep8_rank": dict(experts=32, hidden=7168, ffn=2048, topk=8, tokens=(16384,))}
 
 
 def make_blocks(experts: int, hidden: int, ffn: int, topk: int, device) -> dict:

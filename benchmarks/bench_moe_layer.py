@@ -47,7 +47,8 @@ speed, which a step that syncs once for its counts feels, or the GPU's state) sh
 **One-process sweep** (``--processes 0``, default at ``deepseek_v3``): every block of ``BLOCKS`` and
 ``OTHER_BLOCKS`` in turn (``do_bench``), also ``bf16_loop``, ``blockwise_casts``, ``fp8_flow_triton``,
 ``fp8_flow_graph`` / ``fp8_flow_graph_auto`` (forward + backward captured in one CUDA graph, replays timed),
-``fp8_flow_no_deepgemm`` (the eager ``auto`` block as where DeepGEMM is not installed: ``without_deepgemm``);
+``fp8_flow_no_deepgemm`` / ``fp8_flow_graph_no_deepgemm`` (the ``auto`` block, eager / captured, as where
+DeepGEMM is not installed: ``without_deepgemm``);
 the FP8 weights requantized every step (``fp8_flow``, ``fp8_flow+moe_expert`` also without the cache, as
 Megatron's ``--disable-parameter-transpose-cache``); peak memory above the inputs and activation bytes
 kept for backward.
@@ -144,7 +145,8 @@ UNCACHED = ("fp8_flow", "fp8_flow+moe_expert")  # also timed with is_first_micro
 OTHER_BLOCKS = {"fp8_flow_triton": dict(gemm_backend="triton"),
                 "fp8_flow_graph": dict(gemm_backend="triton", device_splits=True),
                 "fp8_flow_graph_auto": dict(device_splits=True)}
-NO_DEEPGEMM = "fp8_flow_no_deepgemm"  # the eager auto block as on a machine without DeepGEMM (issue 39)
+# the auto block as on a machine without DeepGEMM (issue 39): eager, and captured with device splits
+NO_DEEPGEMM = {"fp8_flow_no_deepgemm": {}, "fp8_flow_graph_no_deepgemm": dict(device_splits=True)}
 
 
 @contextlib.contextmanager
@@ -311,9 +313,10 @@ def sweep_point(shape_name: str, experts: int) -> list[dict]:
         other = fp8_flow_block(shape, experts, **kw)
         res[name] = measure(other, x, ids, probs, dy, graph=kw.get("device_splits", False))
         del other
-    torch.cuda.empty_cache()
     with without_deepgemm():
-        res[NO_DEEPGEMM] = measure(fp8_flow_block(shape, experts), x, ids, probs, dy)
+        for name, kw in NO_DEEPGEMM.items():
+            torch.cuda.empty_cache()
+            res[name] = measure(fp8_flow_block(shape, experts, **kw), x, ids, probs, dy, graph=bool(kw))
     base = res[BASELINE]
     for r in res.values():
         r["speedup_over_bf16_grouped_mm"] = base["ms"] / r["ms"]

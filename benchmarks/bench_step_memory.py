@@ -1,8 +1,8 @@
 """Memory of one MoE layer step: FP8-Flow's blocks against the BF16 grouped block, on the GPU or, launches faked, on
 the CPU.
 
-Configurations (``--config``): ``bench_host_time.CONFIGS`` (``qwen3_moe_like``, ``deepseek_small``) and
-``dsv3_ep8_rank``, one EP=8 rank of DeepSeek-V3's experts (32 local experts, hidden 7168, ffn 2048, top-8), at
+Configurations (``--config``): ``bench_host_time.CONFIGS`` (``qwen3_moe_like``, ``deepseek_small``,
+``dsv3_ep8_rank``: one EP=8 rank of DeepSeek-V3's experts, 32 local experts, hidden 7168, ffn 2048, top-8), at
 16384 tokens unless ``--tokens`` says otherwise. Blocks: ``bench_host_time.make_blocks`` (the BF16 ``_grouped_mm``
 block, FP8-Flow with a single weight, per-expert weights, single weight with ``moe_expert``), the FP8 weights
 cached as on a step's later micro-batches, gradients set to None before the step (``utils.moe_step``).
@@ -35,9 +35,8 @@ from torch.utils._pytree import tree_flatten
 
 import utils
 from transformer_engine_moe import Float8BlockwiseQTensor
-from bench_host_time import CONFIGS as HOST_CONFIGS, faked_launches, make_blocks, make_inputs
+from bench_host_time import CONFIGS, faked_launches, make_blocks, make_inputs
 
-CONFIGS = {**HOST_CONFIGS, "dsv3_ep8_rank": dict(experts=32, hidden=7168, ffn=2048, topk=8, tokens=(16384,))}
 MIB = 2 ** 20
 
 

@@ -12,6 +12,7 @@ def test_configurations():
     q = bench.CONFIGS["qwen3_moe_like"]
     assert q == dict(experts=128, hidden=2048, ffn=768, topk=8, tokens=(16384, 4096))
     assert bench.CONFIGS["deepseek_small"] == dict(experts=64, hidden=2048, ffn=1024, topk=8, tokens=(4096,))
+    assert bench.CONFIGS["dsv3_ep8_rank"] == dict(experts=32, hidden=7168, ffn=2048, topk=8, tokens=(16384,))
 
 
 def test_arguments():

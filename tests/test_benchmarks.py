@@ -44,8 +44,14 @@ def test_bench_grouped_gemm_names_the_backend_auto_picks(monkeypatch):
 
     o = bench.operands(2, 256, 128, 128, device="cpu")
     ops = ("fprop", "dgrad", "wgrad", "wgrad_fp32", "wgrad_main_grad", "wgrad_main_grad_reversed")
-    assert [bench.auto_backend(o, op, 128, 128) for op in ops] == ["reference"] * 6
-    bench.calls(o, "reference")["wgrad_main_grad_reversed"]()  # Megatron's DDP layout: group g in slot G-1-g
+    assert [bench.auto_backend(o, op, 128, 128, on_device) for op in ops for on_device in (False, True)] == (
+        ["reference"] * 12)
+    from transformer_engine_moe.kernels import grouped_gemm_deepgemm as dg
+
+    device_wgrad = [("deepgemm", True)] if dg._module() is not None and dg.device_splits_wgrad() else []
+    assert bench.splits_per_backend(("deepgemm", "cublas", "triton", "bf16")) == [
+        ("deepgemm", False), *device_wgrad, ("cublas", False), ("triton", True), ("bf16", False)]
+    bench.calls(o, "reference", False)["wgrad_main_grad_reversed"]()  # Megatron's DDP layout: group g in slot G-1-g
     want = bench.grouped_gemm_wgrad(o["dyt"], o["xt"], o["splits"], backend="reference")
     assert want.abs().sum() > 0 and torch.equal(o["acc"].flip(0), want)
     refs = bench.references(o, ("wgrad_fp32",))
