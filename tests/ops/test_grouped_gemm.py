@@ -381,18 +381,18 @@ def test_auto_policy_per_shape(monkeypatch, deepgemm):
         monkeypatch.setattr(grouped_gemm_deepgemm, "device_splits_wgrad", lambda: reads_them)
         assert pick("wgrad_accumulate", splits, V3_FC1, out=f32) == ("deepgemm" if deepgemm and reads_them
                                                                      else "triton")
-        # written: DeepGEMM zeroes a float32 copy, adds and casts; it pays from 4096 rows per expert on average
+        # written: DeepGEMM zeroes a float32 copy, adds and casts; it pays from 8192 rows per expert on average
         # (M / G: known on the host for device splits too), where cuBLAS cannot take device splits
-        big = torch.tensor([16384] * 8)
         for out in (bf16, f32):
-            assert pick("wgrad", splits, V3_FC1, out=out, rows=131072) == "triton"  # 1024 rows per expert
-            assert pick("wgrad", big, V3_FC1, out=out, rows=131072) == ("deepgemm" if deepgemm and reads_them
-                                                                       else "triton")
-            assert pick("wgrad", torch.tensor([2048] * 64), V3_FC1, out=out, rows=131072) == "triton"
-    # host splits: cuBLAS writes large experts' wgrads; where cuBLASLt cannot run, DeepGEMM from 4096 rows on average
+            for sizes in ([16384] * 8, [8192] * 16):
+                assert pick("wgrad", torch.tensor(sizes), V3_FC1, out=out, rows=131072) == (
+                    "deepgemm" if deepgemm and reads_them else "triton")
+            for sizes in (QWEN_SPLITS, [2048] * 64, [4096] * 32):
+                assert pick("wgrad", torch.tensor(sizes), V3_FC1, out=out, rows=131072) == "triton"
+    # host splits: cuBLAS writes large experts' wgrads; where cuBLASLt cannot run, DeepGEMM from 8192 rows on average
     assert pick("wgrad", [16384] * 8, V3_FC1, rows=131072) == "cublas"
     assert pick("wgrad", [16384] * 8, V3_FC1, rows=131072, cublaslt=False) == dg_or("triton")
-    assert pick("wgrad", [2048] * 64, V3_FC1, rows=131072, cublaslt=False) == "triton"
+    assert pick("wgrad", [4096] * 32, V3_FC1, rows=131072, cublaslt=False) == "triton"
     assert auto_backend(GemmCall("fprop", E4M3, E4M3, QWEN_SPLITS, bf16, QWEN_FC1, cuda=False)) is None
 
 

@@ -65,11 +65,14 @@ GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "gluon", "triton", "reference")
 # 1058-1211 in it, docs/grouped_gemm.md).
 AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "gluon", "triton"), "wgrad": ("cublas", "deepgemm", "triton"),
               "wgrad_accumulate": ("cublas", "deepgemm", "triton")}
-# A written wgrad on DeepGEMM (a zeroed float32 [G, N, K] accumulated, then cast) pays only for large experts:
-# device splits (the CUDA-graph path, where cuBLAS cannot run), H200 2026-11-28: 729 / 714 TFLOP/s against Triton's
-# 713 / 654 at 4096 rows per expert (fc1 / fc2), 583 / 587 against 624 / 622 at 2048 (H100 at 8192 and 16384 rows:
-# 785-874 against 589-702). So "auto" takes it for a written wgrad only where the experts average this many rows.
-DEEPGEMM_WRITTEN_MIN_MEAN_ROWS = 4096
+# A written wgrad on DeepGEMM (a zeroed float32 [G, N, K] accumulated, then cast: 4 bytes per weight element for
+# the call) pays only for large experts. Device splits (the CUDA-graph path, where cuBLAS cannot run), H200
+# 2026-11-28, TFLOP/s (fc1 / fc2): 583 / 587 against Triton's 624 / 622 at 2048 rows per expert, 729 / 714 against
+# 713 / 654 at 4096 (H100, 8192 and 16384 rows: 785-874 against 589-702). In the captured DeepSeek-V3 block
+# (bench_moe_layer, two calls on two machines) it took 8 experts of 16384 rows from 43.0 to 39.4 ms, peak 5.67 ->
+# 5.79 GiB, but 32 of 4096 from 44.6 to 44.1 ms for 7.96 -> 11.5 GiB (the float32 copy of 32 experts' fc1
+# gradient). So "auto" takes it for a written wgrad only where the experts average this many rows.
+DEEPGEMM_WRITTEN_MIN_MEAN_ROWS = 8192
 # "auto" takes cuBLAS only for experts this large on average: below it, its one launch per expert costs
 # more host time than GPU time (all three GEMMs on cuBLAS, 128 experts of ~512 rows: 89 ms step for 65 ms
 # of GPU work). A BF16 wgrad at 512 rows still pays: 601/451 TFLOP/s (fc1/fc2) against Triton's 380/374,
