@@ -316,17 +316,24 @@ def merge_stored(name: str, key: str, rows: Sequence[dict], env: dict, default: 
     """``(rows kept, env)`` for a run that measured ``rows`` at some values of ``key`` (a shape, a config):
     the rows of the stored ``<name>.json`` at other values of ``key`` (a stored row without ``key`` is at
     ``default``: written before ``key`` was recorded), then ``rows``; ``env`` with ``runs``, the device and date
-    of the rows at each value."""
-    stored, kept, runs = RESULTS_DIR / f"{name}.json", [], {}
+    of the rows at each value, and ``run_settings``: for a kept value, what its run's environment said that this
+    one does not (a rows run's processes and GPU states, which ``env`` no longer describes)."""
+    stored, kept, runs, settings = RESULTS_DIR / f"{name}.json", [], {}, {}
     values = {r[key] for r in rows}
     if stored.exists():
         old = json.loads(stored.read_text())
         kept = [r for r in (dict(r, **{key: r.get(key, default)}) for r in old["results"]) if r[key] not in values]
         old_env = old["environment"]
-        runs = {v: old_env.get("runs", {}).get(v, f"{old_env['device']}, {old_env['date']}")
-                for v in dict.fromkeys(r[key] for r in kept)}
+        own = f"{old_env['device']}, {old_env['date']}"
+        for v in dict.fromkeys(r[key] for r in kept):
+            runs[v] = old_env.get("runs", {}).get(v, own)
+            said = (old_env.get("run_settings", {}).get(v) if runs[v] != own else
+                    {k: x for k, x in old_env.items() if k not in ("runs", "run_settings") and env.get(k) != x
+                     and k not in ("device", "date")})
+            if said:
+                settings[v] = said
     runs.update({v: f"{env['device']}, {env['date']}" for v in dict.fromkeys(r[key] for r in rows)})
-    return kept + list(rows), dict(env, runs=runs)
+    return kept + list(rows), dict(env, runs=runs, **({"run_settings": settings} if settings else {}))
 
 
 # ---------------------------------------------------------------- expert parallelism (bench_dispatch, bench_ep_scaling)

@@ -122,7 +122,24 @@ def test_merge_stored_replaces_the_measured_values_and_keeps_the_rest(tmp_path, 
     rows, env = utils.merge_stored("b", "shape", [dict(new[0], shape="x")], {"device": "B", "date": "d"}, "-")
     assert [r["shape"] for r in rows] == ["deepseek_v3", "qwen3_moe_like", "x"]
     assert env["runs"] == {"deepseek_v3": "H100, 2026-11-25", "qwen3_moe_like": "H200, 2026-11-26", "x": "B, d"}
+    assert "run_settings" not in env  # no run said more than the one that measured "x"
     assert utils.merge_stored("none", "shape", new, {"device": "B", "date": "d"}, "-")[0] == new
+
+
+def test_merge_stored_keeps_what_a_kept_run_said_about_itself(tmp_path, monkeypatch):
+    """A rows run (processes, GPU states) stored, then a sweep of another shape: the stored rows keep their run's
+    settings under ``run_settings``, carried on through later merges; the machine facts both share are not."""
+    monkeypatch.setattr(utils, "RESULTS_DIR", tmp_path)
+    rows_env = {"device": "H200", "date": "13:20", "torch": "2.11", "processes": 3, "gpu_state": [1, 2]}
+    qwen = [{"shape": "qwen3_moe_like", "ms": 7.0}]
+    (tmp_path / "b.json").write_text(json.dumps({"environment": rows_env, "results": qwen}))
+    v3 = [{"shape": "deepseek_v3", "ms": 40.0}]
+    rows, env = utils.merge_stored("b", "shape", v3, {"device": "H200", "date": "14:48", "torch": "2.11"}, "-")
+    assert rows == qwen + v3 and env["run_settings"] == {"qwen3_moe_like": {"processes": 3, "gpu_state": [1, 2]}}
+    (tmp_path / "b.json").write_text(json.dumps({"environment": env, "results": rows}))
+    rows, env = utils.merge_stored("b", "shape", v3, {"device": "H100", "date": "15:00", "torch": "2.11"}, "-")
+    assert env["run_settings"] == {"qwen3_moe_like": {"processes": 3, "gpu_state": [1, 2]}}
+    assert env["runs"] == {"qwen3_moe_like": "H200, 13:20", "deepseek_v3": "H100, 15:00"}
 
 
 def test_markdown_grouped_by_a_key_has_a_table_per_value_with_its_columns(tmp_path, monkeypatch):
