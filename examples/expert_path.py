@@ -25,7 +25,7 @@ def gemm_backends(device: torch.device, backend: str = "auto") -> str:
         return f"Triton kernels; grouped GEMMs {backend!r}"
     from transformer_engine_moe.kernels import cublaslt, grouped_gemm_deepgemm
     from transformer_engine_moe.ops.grouped_gemm import (AUTO_ORDER, CUBLAS_MIN_MEAN_ROWS, CUBLAS_MIN_WEIGHT,
-                                                         gluon_available)
+                                                         DEEPGEMM_WRITTEN_MIN_MEAN_ROWS, gluon_available)
 
     deepgemm, lt = grouped_gemm_deepgemm.available(device), cublaslt.available(device)
     gluon = gluon_available(device)
@@ -33,7 +33,9 @@ def gemm_backends(device: torch.device, backend: str = "auto") -> str:
     for kind, label in (("fprop", "fprop/dgrad"), ("wgrad", "wgrad"), ("wgrad_accumulate", "wgrad into main_grad")):
         order = [n for n in AUTO_ORDER[kind] if (n != "deepgemm" or deepgemm) and (n != "cublas" or lt)
                  and (n != "gluon" or gluon)]
-        names = dict(_NAMES, deepgemm="DeepGEMM (main_grad as one [G, N, K])") if kind == "wgrad_accumulate" else _NAMES
+        names = {"fprop": _NAMES, "wgrad": dict(_NAMES, deepgemm=f"DeepGEMM (experts of >= "
+                                                                 f"{DEEPGEMM_WRITTEN_MIN_MEAN_ROWS} rows)"),
+                 "wgrad_accumulate": dict(_NAMES, deepgemm="DeepGEMM (main_grad as one [G, N, K])")}[kind]
         kinds.append(f"{label} " + " > ".join(
             _cublas(CUBLAS_MIN_MEAN_ROWS[kind], CUBLAS_MIN_WEIGHT) if n == "cublas" else names[n] for n in order))
     return ("Triton kernels; grouped GEMMs 'auto', per call the first that can run it: " + "; ".join(kinds)

@@ -31,7 +31,7 @@ reads those rows. ``FP8FlowMoE(device_splits=True)`` puts its worst-case buffer'
 Host splits: the cuBLAS backend reads the per-expert row counts on the host (so does DeepGEMM's
 wgrad on a release not in ``DEVICE_SPLITS_WGRAD``). It uses the list the dispatcher already holds
 (``tokens_per_expert``), never a copy of a device tensor: a device tensor sends those calls to
-DeepGEMM (a wgrad added into float32 ``main_grad``), Gluon (fprop/dgrad) or Triton. What the kernels read of a
+DeepGEMM (wgrads: ``deepgemm_pays``), Gluon (fprop/dgrad) or Triton. What the kernels read of a
 host list on the device (group sizes, DeepGEMM's per-row groups) is made once per (splits, stream)
 and shared by the layer's GEMMs and transposes (``layout.m_splits_tensor``, ``layout.row_groups``).
 
