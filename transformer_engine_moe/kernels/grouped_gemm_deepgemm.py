@@ -110,12 +110,17 @@ def supports_wgrad(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits) -> bool
     return isinstance(m_splits, list) and _aligned(m_splits)
 
 
+def _check_aligned_on_device(m_splits: torch.Tensor) -> None:
+    """Device-tensor splits: every group a multiple of ``alignment()``, asserted on the device (no host sync)."""
+    check_on_device((m_splits % alignment() == 0).all(),
+                    f"deepgemm: every group's rows must be a multiple of {alignment()}")
+
+
 def _m_indices(m_splits, m: int, device, num_weights: int) -> torch.Tensor:
     """int32 ``[M]``: the group of each row (DeepGEMM's ``m_indices``), -1 for the rows of a trailing
     weightless group (``g >= num_weights``: DeepGEMM skips those tiles' MMAs), without a host sync."""
     if isinstance(m_splits, torch.Tensor):
-        check_on_device((m_splits % alignment() == 0).all(),
-                        f"deepgemm: every group's rows must be a multiple of {alignment()}")
+        _check_aligned_on_device(m_splits)
     groups = row_groups(m_splits, m, device, torch.int32)
     return groups if len(m_splits) <= num_weights else torch.where(groups < num_weights, groups, -1)
 
@@ -184,8 +189,7 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
         d.zero_()
     if groups:
         if isinstance(m_splits, torch.Tensor):
-            check_on_device((m_splits % alignment() == 0).all(),
-                            f"deepgemm: every group's rows must be a multiple of {alignment()}")
+            _check_aligned_on_device(m_splits)
             # the groups lie in the leading whole 128-row blocks of the operands' M rows (each group aligned); the
             # kernel reads their sizes from the device tensor and never reaches the rows after them
             rows = a_t.numel() // max(n, 1) // 128 * 128
