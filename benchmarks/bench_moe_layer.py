@@ -308,15 +308,16 @@ def sweep_point(shape_name: str, experts: int) -> list[dict]:
         model.recompute = recompute
         res[name] = measure(model, x, ids, probs, dy, uncached=name in UNCACHED)
     del block, model
-    for name, kw in OTHER_BLOCKS.items():
-        torch.cuda.empty_cache()
-        other = fp8_flow_block(shape, experts, **kw)
-        res[name] = measure(other, x, ids, probs, dy, graph=kw.get("device_splits", False))
-        del other
-    with without_deepgemm():
-        for name, kw in NO_DEEPGEMM.items():
+
+    def measure_blocks(blocks: dict) -> None:  # each its own block; device splits: captured and replayed
+        for name, kw in blocks.items():
             torch.cuda.empty_cache()
-            res[name] = measure(fp8_flow_block(shape, experts, **kw), x, ids, probs, dy, graph=bool(kw))
+            res[name] = measure(fp8_flow_block(shape, experts, **kw), x, ids, probs, dy,
+                                graph=kw.get("device_splits", False))
+
+    measure_blocks(OTHER_BLOCKS)
+    with without_deepgemm():
+        measure_blocks(NO_DEEPGEMM)
     base = res[BASELINE]
     for r in res.values():
         r["speedup_over_bf16_grouped_mm"] = base["ms"] / r["ms"]
