@@ -328,8 +328,8 @@ def merge_stored(name: str, key: str, rows: Sequence[dict], env: dict, default: 
         for v in dict.fromkeys(r[key] for r in kept):
             runs[v] = old_env.get("runs", {}).get(v, own)
             said = (old_env.get("run_settings", {}).get(v) if runs[v] != own else
-                    {k: x for k, x in old_env.items() if k not in ("runs", "run_settings") and env.get(k) != x
-                     and k not in ("device", "date")})
+                    {k: x for k, x in old_env.items()
+                     if k not in ("runs", "run_settings", "device", "date") and env.get(k) != x})
             if said:
                 settings[v] = said
     runs.update({v: f"{env['device']}, {env['date']}" for v in dict.fromkeys(r[key] for r in rows)})

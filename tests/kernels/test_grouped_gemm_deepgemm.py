@@ -12,7 +12,7 @@ from transformer_engine_moe import FP8FlowRecipe, Format, quantize_blockwise, qu
 from transformer_engine_moe.kernels import grouped_gemm_deepgemm as dg
 from transformer_engine_moe.module import GroupedLinear
 from transformer_engine_moe.ops import scaling_aware_transpose
-from transformer_engine_moe.ops.grouped_gemm import GemmCall, _impl, grouped_gemm, grouped_gemm_wgrad
+from transformer_engine_moe.ops.grouped_gemm import GemmCall, _impl, grouped_gemm, grouped_gemm_wgrad, why_not
 
 HAVE_DG = CUDA and dg.available(torch.device("cuda"))
 requires_deepgemm = pytest.mark.skipif(not HAVE_DG, reason="needs DeepGEMM on a Hopper GPU")
@@ -214,7 +214,6 @@ def test_which_host_splits_deepgemm_and_cublas_take(monkeypatch):
         monkeypatch.setattr(dg, "_module", lambda: type("DeepGEMM", (), {"__version__": version} if version else {}))
         assert dg.supports_wgrad(E4M3, E4M3, torch.tensor([128])) == reads_device_splits
         call = GemmCall("wgrad_accumulate", E4M3, E4M3, torch.tensor([128]), torch.float32, deepgemm=True)
-        from transformer_engine_moe.ops.grouped_gemm import why_not
         assert why_not("deepgemm", call) == (None if reads_device_splits else (
             "it needs E4M3 operands, and groups of multiples of 128 rows as a host list (its wgrad takes "
             f"device-tensor splits in DeepGEMM 2.8.2 only, found {version or 'no version'})"))
