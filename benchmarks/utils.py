@@ -415,19 +415,23 @@ def ddp_main_grad_hooks(module: nn.Module) -> list:
     """Megatron DDP's gradient contract on ``module``'s parameters, without DDP: each gets a float32 ``main_grad``
     of zeros and ``grad_added_to_main_grad = False``, and a hook after autograd's accumulation that adds ``.grad``
     into ``main_grad`` unless ``grad_added_to_main_grad`` is set (a fused wgrad wrote there), then drops ``.grad``,
-    as DDP's backward hook does. Returns the list each firing appends its parameter to."""
+    as DDP's backward hook does. Returns the list each firing appends its parameter's name to (the name, not the
+    parameter: a hook holding its own parameter is a cycle through autograd that Python's gc cannot free, and
+    kept every benchmarked block's weights alive to the process's end)."""
     fired = []
 
-    def hook(p):
-        fired.append(p)
-        if not p.grad_added_to_main_grad:
-            p.main_grad.add_(p.grad)
-        p.grad = None
+    def hook_for(name):
+        def hook(p):
+            fired.append(name)
+            if not p.grad_added_to_main_grad:
+                p.main_grad.add_(p.grad)
+            p.grad = None
+        return hook
 
-    for p in module.parameters():
+    for name, p in module.named_parameters():
         p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
         p.grad_added_to_main_grad = False
-        p.register_post_accumulate_grad_hook(hook)
+        p.register_post_accumulate_grad_hook(hook_for(name))
     return fired
 
 

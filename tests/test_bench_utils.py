@@ -179,3 +179,24 @@ def test_gpu_state_counts_the_processes_sharing_the_gpu_and_warns(monkeypatch, c
     assert "2 processes compute on this GPU" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed: the run goes on without the state
     assert set(utils.gpu_state()) == {"unavailable"}
+
+
+def test_ddp_hooks_add_into_main_grad_record_names_and_let_the_module_go():
+    """DDP's contract: ``.grad`` added into ``main_grad`` and dropped, each firing's parameter name recorded,
+    ``grad_added_to_main_grad`` honoured. Once a hook held its own parameter (a cycle through autograd that gc does
+    not free): every benchmarked block's weights then stayed to the process's end."""
+    import gc
+    import weakref
+
+    module = torch.nn.Linear(4, 3)
+    fired = utils.ddp_main_grad_hooks(module)
+    module.bias.grad_added_to_main_grad = True  # a fused wgrad wrote there: the hook only drops .grad
+    x = torch.randn(5, 4)
+    module(x).sum().backward()
+    assert sorted(fired) == ["bias", "weight"]
+    assert torch.equal(module.weight.main_grad, torch.ones(5, 3).t() @ x)
+    assert (module.bias.main_grad == 0).all() and module.weight.grad is None and module.bias.grad is None
+    alive = weakref.ref(module.weight)
+    del module
+    gc.collect()
+    assert alive() is None
