@@ -28,14 +28,14 @@ launches by the host per step (a graphed step's kernels come from its two graph 
 
 Results: ``bench_graphed_moe`` (``qwen3_moe_like``) or ``bench_graphed_moe_<config>``. Run on a GPU:
 ``python benchmarks/bench_graphed_moe.py [--config dsv3_ep8_rank] [--experts 32 64] [--tokens 4096]
-[--fuse-wgrad-accumulation]``. One process keeps each graphed variant's memory to its end (not found why): at
-DeepSeek-V3's 128 experts the FP8 blocks after the others ran out of an H200's memory; run them in a process of
-their own (``--experts 128 --variants ...``).
+[--fuse-wgrad-accumulation]``. Each (experts, tokens) point runs in a fresh process (``utils.in_fresh_processes``):
+its allocator and compiled kernels its own, as ``bench_moe_layer``'s.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import torch
 
@@ -84,6 +84,30 @@ def make_step(name: str, experts: int, hidden: int, ffn: int, topk: int, tokens:
     return step, block
 
 
+def measure_point(config: str, experts: int, tokens: int, variants, steps: int, fuse: bool) -> list[dict]:
+    """One row per variant in ``variants`` at one (experts, tokens) point of ``config``, with its
+    ``vs_bf16_grouped_mm`` where the baseline is among them."""
+    c = CONFIGS[config]
+    shape = dict(config=config, experts=experts, hidden=c["hidden"], ffn=c["ffn"], topk=c["topk"])
+    rows = []
+    for name in variants:
+        step, block = make_step(name, experts, c["hidden"], c["ffn"], c["topk"], tokens, fuse, "cuda")
+        for _ in range(3):  # the graphs' capture, kernels compiled
+            step()
+        host, wall = utils.host_and_wall_ms(step, steps, torch.cuda.synchronize)
+        gpu, launches = gpu_ms_and_launches(step, 5)
+        rows.append(dict(shape, block=name, tokens=tokens, host_ms=host, wall_ms=wall, gpu_ms=gpu,
+                         launches=launches, host_over_gpu=host / gpu))
+        print(rows[-1], flush=True)
+        del step, block
+        torch.cuda.empty_cache()
+    base = next((r["wall_ms"] for r in rows if r["block"] == BASELINE), None)
+    for r in rows:
+        if base:
+            r["vs_bf16_grouped_mm"] = base / r["wall_ms"]
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=list(CONFIGS), default="qwen3_moe_like",
@@ -95,40 +119,35 @@ def main():
     parser.add_argument("--fuse-wgrad-accumulation", action="store_true",
                         help="wgrad GEMMs add into main_grad (Megatron's --gradient-accumulation-fusion, with TE)")
     parser.add_argument("--variants", nargs="+", choices=[BASELINE, *VARIANTS], default=[BASELINE, *VARIANTS])
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # one (experts, tokens) point: its rows' JSON here
     args = parser.parse_args()
-    env = utils.environment()
     c = CONFIGS[args.config]
+    points = [(e, t) for e in args.experts or [c["experts"]] for t in args.tokens or c["tokens"]]
+    if args.worker_out:
+        (experts, tokens), = points
+        rows = measure_point(args.config, experts, tokens, args.variants, args.steps, args.fuse_wgrad_accumulation)
+        with open(args.worker_out, "w") as f:
+            json.dump(rows, f)
+        return
     rows = []
-    for experts, tokens in ((e, t) for e in args.experts or [c["experts"]] for t in args.tokens or c["tokens"]):
-        shape = dict(config=args.config, experts=experts, hidden=c["hidden"], ffn=c["ffn"], topk=c["topk"])
-        for name in args.variants:
-            step, block = make_step(name, experts, c["hidden"], c["ffn"], c["topk"], tokens,
-                                    args.fuse_wgrad_accumulation, "cuda")
-            for _ in range(3):  # the graphs' capture, kernels compiled
-                step()
-            host, wall = utils.host_and_wall_ms(step, args.steps, torch.cuda.synchronize)
-            gpu, launches = gpu_ms_and_launches(step, 5)
-            rows.append(dict(shape, block=name, tokens=tokens, host_ms=host, wall_ms=wall, gpu_ms=gpu,
-                             launches=launches, host_over_gpu=host / gpu))
-            print(rows[-1], flush=True)
-            del step, block
-            torch.cuda.empty_cache()
-        mine = [r for r in rows if r["tokens"] == tokens and r["experts"] == experts]
-        base = next((r["wall_ms"] for r in mine if r["block"] == BASELINE), None)
-        for r in mine:
-            if base:
-                r["vs_bf16_grouped_mm"] = base / r["wall_ms"]
+    for experts, tokens in points:  # a fresh process each: one process kept every graphed variant's memory
+        argv = [__file__, "--config", args.config, "--experts", str(experts), "--tokens", str(tokens), "--steps",
+                str(args.steps), "--variants", *args.variants]
+        if args.fuse_wgrad_accumulation:
+            argv.append("--fuse-wgrad-accumulation")
+        rows += utils.in_fresh_processes(argv, 1)[0]
     path = utils.write_results(
         f"bench_graphed_moe{'' if args.config == 'qwen3_moe_like' else '_' + args.config}",
         "Host time vs GPU time of one FP8-Flow MoE layer step, eager and from CUDA graphs",
-        {**env, "fuse_wgrad_accumulation": args.fuse_wgrad_accumulation}, {}, rows,
+        {**utils.environment(), "fuse_wgrad_accumulation": args.fuse_wgrad_accumulation}, {}, rows,
         ["config", "experts", "hidden", "ffn", "topk", "tokens", "block", "host_ms", "wall_ms", "gpu_ms", "launches",
          "host_over_gpu", "vs_bf16_grouped_mm"],
         notes="host_ms: until backward() returns, from an idle GPU; wall_ms: until the GPU is done; gpu_ms: kernel "
               "time per step (torch profiler); medians over --steps steps. Local dispatcher, FP8 weights cached (a "
               "step's later micro-batches), Megatron DDP's main_grad and hook on every weight. launches: kernels "
               "launched by the host (a graphed step's come from its two graph launches). vs_bf16_grouped_mm: the "
-              "eager BF16 grouped_mm block's wall_ms over the row's, same call and tokens.")
+              "eager BF16 grouped_mm block's wall_ms over the row's, same process and tokens. Each (experts, "
+              "tokens) point runs in a fresh process.")
     print(path.read_text())
 
 
