@@ -7,7 +7,6 @@ before the test modules import it.
 
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -16,6 +15,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from utils import free_port  # noqa: E402,F401  benchmarks/utils.py (on pytest's pythonpath), after the line above
 
 CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
@@ -32,13 +33,6 @@ compact_loop_only = pytest.mark.skipif(CUDA, reason="the compact loop is the CPU
 TINY_GPT_ARGS = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --num-experts 4 "
                  "--moe-router-topk 2 --micro-batch-size 2 --train-iters 2 --log-interval 1 --swiglu "
                  "--disable-bias-linear").split()
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1, for a process group's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def survives(code: str) -> str:
