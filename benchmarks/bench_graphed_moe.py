@@ -130,7 +130,7 @@ def main():
             json.dump(rows, f)
         return
     rows = []
-    for experts, tokens in points:  # a fresh process each: one process kept every graphed variant's memory
+    for experts, tokens in points:  # a fresh process each: its own allocator and compiled kernels
         argv = [__file__, "--config", args.config, "--experts", str(experts), "--tokens", str(tokens), "--steps",
                 str(args.steps), "--variants", *args.variants]
         if args.fuse_wgrad_accumulation:
