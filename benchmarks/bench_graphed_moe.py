@@ -15,6 +15,8 @@ wgrad fusion, as the Megatron runs of this repository, or with ``--fuse-wgrad-ac
 - ``fp8_flow_device_splits_single_weight``: eager with device splits, the path the graphs replay;
 - ``fp8_flow_graph_single_weight``: that block through ``GraphedFP8FlowMoE``;
 - ``fp8_flow_graph``: the same with one weight per expert (autograd and DDP's hook still run per parameter);
+- ``fp8_flow_graph_single_weight_no_deepgemm``: the third as on a machine without DeepGEMM (issue 39's user:
+  Gluon fprop/dgrad, Triton wgrads; ``utils.without_deepgemm``);
 - ``fp8_flow_single_weight_moe_expert`` / ``fp8_flow_graph_single_weight_moe_expert``: the first and the third with
   ``recompute="moe_expert"`` (the graphs capture the checkpoint, the backward's rerun included);
 - ``bf16_grouped_mm`` (``BASELINE``): the strongest BF16 block (``baselines.BF16GroupedMMBlock``, eager, no host
@@ -35,6 +37,7 @@ its allocator and compiled kernels its own, as ``bench_moe_layer``'s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 import torch
@@ -53,6 +56,8 @@ VARIANTS = {  # name -> (device splits, replayed from CUDA graphs, single groupe
     "fp8_flow_single_weight_moe_expert": (False, False, True, "moe_expert"),
     "fp8_flow_graph_single_weight_moe_expert": (True, True, True, "moe_expert"),
 }
+# variants measured as on a machine without DeepGEMM (``utils.without_deepgemm``): name -> the variant it runs
+NO_DEEPGEMM = {"fp8_flow_graph_single_weight_no_deepgemm": "fp8_flow_graph_single_weight"}
 BASELINE = "bf16_grouped_mm"
 
 
@@ -60,7 +65,8 @@ def make_step(name: str, experts: int, hidden: int, ffn: int, topk: int, tokens:
     """``(step, block)``: one micro-batch of variant ``name`` per ``step()`` (the first says
     ``is_first_microbatch=True``, the others False), router output and gradients fixed. ``BASELINE``: the BF16
     block over the same experts (those of the single-weight block), stepped through ``forward_topk``."""
-    device_splits, graphed, single, recompute = VARIANTS["fp8_flow_single_weight" if name == BASELINE else name]
+    device_splits, graphed, single, recompute = VARIANTS[
+        "fp8_flow_single_weight" if name == BASELINE else NO_DEEPGEMM.get(name, name)]
     torch.manual_seed(0)
     block = FP8FlowMoE(experts, hidden, ffn, topk, device=device, device_splits=device_splits,
                        single_grouped_weight=single, fuse_wgrad_accumulation=fuse, recompute=recompute)
@@ -91,11 +97,12 @@ def measure_point(config: str, experts: int, tokens: int, variants, steps: int, 
     shape = dict(config=config, experts=experts, hidden=c["hidden"], ffn=c["ffn"], topk=c["topk"])
     rows = []
     for name in variants:
-        step, block = make_step(name, experts, c["hidden"], c["ffn"], c["topk"], tokens, fuse, "cuda")
-        for _ in range(3):  # the graphs' capture, kernels compiled
-            step()
-        host, wall = utils.host_and_wall_ms(step, steps, torch.cuda.synchronize)
-        gpu, launches = gpu_ms_and_launches(step, 5)
+        with utils.without_deepgemm() if name in NO_DEEPGEMM else contextlib.nullcontext():
+            step, block = make_step(name, experts, c["hidden"], c["ffn"], c["topk"], tokens, fuse, "cuda")
+            for _ in range(3):  # the graphs' capture, kernels compiled
+                step()
+            host, wall = utils.host_and_wall_ms(step, steps, torch.cuda.synchronize)
+            gpu, launches = gpu_ms_and_launches(step, 5)
         rows.append(dict(shape, block=name, tokens=tokens, host_ms=host, wall_ms=wall, gpu_ms=gpu,
                          launches=launches, host_over_gpu=host / gpu))
         print(rows[-1], flush=True)
@@ -118,7 +125,8 @@ def main():
     parser.add_argument("--steps", type=int, default=20, help="timed steps per block (medians)")
     parser.add_argument("--fuse-wgrad-accumulation", action="store_true",
                         help="wgrad GEMMs add into main_grad (Megatron's --gradient-accumulation-fusion, with TE)")
-    parser.add_argument("--variants", nargs="+", choices=[BASELINE, *VARIANTS], default=[BASELINE, *VARIANTS])
+    parser.add_argument("--variants", nargs="+", choices=[BASELINE, *VARIANTS, *NO_DEEPGEMM],
+                        default=[BASELINE, *VARIANTS, *NO_DEEPGEMM])
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # one (experts, tokens) point: its rows' JSON here
     args = parser.parse_args()
     c = CONFIGS[args.config]

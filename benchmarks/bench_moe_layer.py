@@ -48,7 +48,7 @@ speed, which a step that syncs once for its counts feels, or the GPU's state) sh
 ``OTHER_BLOCKS`` in turn (``do_bench``), also ``bf16_loop``, ``blockwise_casts``, ``fp8_flow_triton``,
 ``fp8_flow_graph`` / ``fp8_flow_graph_auto`` (forward + backward captured in one CUDA graph, replays timed),
 ``fp8_flow_no_deepgemm`` / ``fp8_flow_graph_no_deepgemm`` (the ``auto`` block, eager / captured, as where
-DeepGEMM is not installed: ``without_deepgemm``);
+DeepGEMM is not installed: ``utils.without_deepgemm``);
 the FP8 weights requantized every step (``fp8_flow``, ``fp8_flow+moe_expert`` also without the cache, as
 Megatron's ``--disable-parameter-transpose-cache``); peak memory above the inputs and activation bytes
 kept for backward.
@@ -69,14 +69,12 @@ keeps the others), ``bench_moe_layer{suffix}.png`` (sweep) or ``bench_moe_layer_
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import statistics
 
 import torch
 
-from transformer_engine_moe.kernels import grouped_gemm_deepgemm
 from transformer_engine_moe.module import FP8FlowMoE, GroupedLinear
 
 import kernel_profile
@@ -147,18 +145,6 @@ OTHER_BLOCKS = {"fp8_flow_triton": dict(gemm_backend="triton"),
                 "fp8_flow_graph_auto": dict(device_splits=True)}
 # the auto block as on a machine without DeepGEMM (issue 39): eager, and captured with device splits
 NO_DEEPGEMM = {"fp8_flow_no_deepgemm": {}, "fp8_flow_graph_no_deepgemm": dict(device_splits=True)}
-
-
-@contextlib.contextmanager
-def without_deepgemm():
-    """Within: the package finds no DeepGEMM module, as where it is not installed, so ``auto`` runs fprop/dgrad
-    and wgrad on cuBLAS where it pays, else Triton (``ops.grouped_gemm.AUTO_ORDER``)."""
-    found = grouped_gemm_deepgemm._module
-    grouped_gemm_deepgemm._module = lambda: None
-    try:
-        yield
-    finally:
-        grouped_gemm_deepgemm._module = found
 
 
 def inputs(shape: Shape, experts: int):
@@ -316,7 +302,7 @@ def sweep_point(shape_name: str, experts: int) -> list[dict]:
                                 graph=kw.get("device_splits", False))
 
     measure_blocks(OTHER_BLOCKS)
-    with without_deepgemm():
+    with utils.without_deepgemm():
         measure_blocks(NO_DEEPGEMM)
     base = res[BASELINE]
     for r in res.values():

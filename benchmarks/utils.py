@@ -10,6 +10,7 @@ over time against ceilings measured on the same device, and writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.metadata
@@ -433,6 +434,21 @@ def ddp_main_grad_hooks(module: nn.Module) -> list:
         p.grad_added_to_main_grad = False
         p.register_post_accumulate_grad_hook(hook_for(name))
     return fired
+
+
+@contextlib.contextmanager
+def without_deepgemm():
+    """Within: the package finds no DeepGEMM module, as where it is not installed, so ``auto`` runs fprop/dgrad
+    and wgrad on cuBLAS where it pays, else Gluon or Triton (``ops.grouped_gemm.AUTO_ORDER``; issue 39's user
+    without DeepGEMM)."""
+    from transformer_engine_moe.kernels import grouped_gemm_deepgemm
+
+    found = grouped_gemm_deepgemm._module
+    grouped_gemm_deepgemm._module = lambda: None
+    try:
+        yield
+    finally:
+        grouped_gemm_deepgemm._module = found
 
 
 def busy_host_ms(fn: Callable[[], object], reps: int = 3) -> float:

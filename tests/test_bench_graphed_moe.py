@@ -17,7 +17,10 @@ def test_eager_variants_step_and_graphed_ones_need_a_gpu(monkeypatch):
     assert list(bench.VARIANTS) == ["fp8_flow_single_weight", "fp8_flow_device_splits_single_weight",
                                     "fp8_flow_graph_single_weight", "fp8_flow_graph",
                                     "fp8_flow_single_weight_moe_expert", "fp8_flow_graph_single_weight_moe_expert"]
-    for name, (_, graphed, _, recompute) in bench.VARIANTS.items():
+    assert bench.NO_DEEPGEMM == {"fp8_flow_graph_single_weight_no_deepgemm": "fp8_flow_graph_single_weight"}
+    runs = {**{name: name for name in bench.VARIANTS}, **bench.NO_DEEPGEMM}
+    for name, runs_as in runs.items():
+        _, graphed, _, recompute = bench.VARIANTS[runs_as]
         step, block = bench.make_step(name, 4, 128, 128, 2, 16, False, "cpu")
         if graphed:
             with pytest.raises(ValueError, match="must be a CUDA tensor, got cpu"):

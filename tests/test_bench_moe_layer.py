@@ -108,18 +108,3 @@ def test_the_blocks_of_the_rows_build_and_step_at_toy_size():
     assert torch.equal(outs["fp8_flow_per_expert"], outs["fp8_flow"])  # the other layout: same arithmetic
     with pytest.raises(RuntimeError):  # a failure of a block that is not optional is not skipped
         bench.build_variants(["fp8_flow"], block, (x, ids, probs, torch.ones(3)), warmup=1, sync=lambda: None)
-
-
-def test_without_deepgemm_is_a_machine_without_it_and_restores_it():
-    """Issue 39's ``fp8_flow_no_deepgemm``: inside, the package's DeepGEMM lookup finds no module, as where it is
-    not installed (``available`` is then False on any GPU, and ``auto`` passes DeepGEMM by); afterwards, and after
-    an error inside, the lookup is what it was."""
-    from transformer_engine_moe.kernels import grouped_gemm_deepgemm as dg
-
-    found = dg._module
-    with bench.without_deepgemm():
-        assert dg._module() is None and dg._module is not found
-    assert dg._module is found
-    with pytest.raises(RuntimeError, match="inside"), bench.without_deepgemm():
-        raise RuntimeError("inside")
-    assert dg._module is found

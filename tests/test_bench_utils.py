@@ -200,3 +200,18 @@ def test_ddp_hooks_add_into_main_grad_record_names_and_let_the_module_go():
     del module
     gc.collect()
     assert alive() is None
+
+
+def test_without_deepgemm_is_a_machine_without_it_and_restores_it():
+    """Issue 39's ``fp8_flow_no_deepgemm``: inside, the package's DeepGEMM lookup finds no module, as where it is
+    not installed (``available`` is then False on any GPU, and ``auto`` passes DeepGEMM by); afterwards, and after
+    an error inside, the lookup is what it was."""
+    from transformer_engine_moe.kernels import grouped_gemm_deepgemm as dg
+
+    found = dg._module
+    with utils.without_deepgemm():
+        assert dg._module() is None and dg._module is not found
+    assert dg._module is found
+    with pytest.raises(RuntimeError, match="inside"), utils.without_deepgemm():
+        raise RuntimeError("inside")
+    assert dg._module is found
