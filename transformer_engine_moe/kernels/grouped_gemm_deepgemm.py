@@ -94,10 +94,15 @@ def supports(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits, out_dtype: to
 DEVICE_SPLITS_WGRAD = ("2.8.2",)
 
 
+def version():
+    """The installed DeepGEMM's ``__version__``: None where it is absent or its build has none."""
+    return getattr(_module(), "__version__", None)
+
+
 @torch.compiler.assume_constant_result
 def device_splits_wgrad() -> bool:
     """Whether the installed DeepGEMM runs a wgrad on device-tensor splits (``DEVICE_SPLITS_WGRAD``)."""
-    return getattr(_module(), "__version__", None) in DEVICE_SPLITS_WGRAD
+    return version() in DEVICE_SPLITS_WGRAD
 
 
 def supports_wgrad(a_dtype: torch.dtype, b_dtype: torch.dtype, m_splits) -> bool:

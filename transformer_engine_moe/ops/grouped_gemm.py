@@ -179,7 +179,7 @@ def why_not(backend: str, call: GemmCall) -> Optional[str]:
             return None
         where = (f" as a host list (its wgrad takes device-tensor splits in DeepGEMM "
                  f"{' or '.join(deepgemm.DEVICE_SPLITS_WGRAD)} only, found "
-                 f"{getattr(deepgemm._module(), '__version__', 'no version')})"
+                 f"{deepgemm.version() or 'no version'})"
                  if wgrad and isinstance(call.m_splits, torch.Tensor) else "")
         return (f"it needs E4M3 operands{'' if wgrad else ', BF16 output'}, and groups of multiples of "
                 f"{deepgemm.alignment()} rows{where}")
