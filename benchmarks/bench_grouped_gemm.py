@@ -132,7 +132,7 @@ def splits_per_backend(backends) -> list[tuple[str, bool]]:
     pairs = []
     for backend in backends:
         pairs.append((backend, backend in ("triton", "gluon")))
-        if backend == "deepgemm" and dg._module() is not None and dg.device_splits_wgrad():
+        if backend == "deepgemm" and dg.device_splits_wgrad():
             pairs.append((backend, True))
     return pairs
 

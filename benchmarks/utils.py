@@ -34,6 +34,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from transformer_engine_moe import Float8BlockwiseQTensor
+from transformer_engine_moe.kernels import grouped_gemm_deepgemm
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -441,8 +442,6 @@ def without_deepgemm():
     """Within: the package finds no DeepGEMM module, as where it is not installed, so ``auto`` runs fprop/dgrad
     and wgrad on cuBLAS where it pays, else Gluon or Triton (``ops.grouped_gemm.AUTO_ORDER``; issue 39's user
     without DeepGEMM)."""
-    from transformer_engine_moe.kernels import grouped_gemm_deepgemm
-
     found = grouped_gemm_deepgemm._module
     grouped_gemm_deepgemm._module = lambda: None
     try:
