@@ -132,6 +132,39 @@ def test_wgrad_list_out_is_checked():
         grouped_gemm_wgrad(dy, x, [128, 128], out={})
 
 
+@requires_cuda
+@pytest.mark.parametrize("mode", ["written", "added"])
+def test_gpu_wgrad_tma_epilogue_is_bitwise_the_pointer_stores(mode):
+    """The Triton wgrad stores (or adds) its tiles into a 16-byte aligned [G, N, K] by TMA; the same out 4 bytes
+    off that alignment takes the pointer stores: the same bits (a BF16 output: the float32 one rounded). Ragged and
+    empty groups; main_grad holding NaN, infinities, signed zeros, and subnormals where the gradient is exactly
+    zero (an atomic add in L2 flushes subnormals: the TMA addition must not)."""
+    from transformer_engine_moe.kernels.grouped_gemm import takes_tma_epilogue
+
+    splits = [100, 0, 156, 128]
+    m, n, k = sum(splits), 256, 384
+    xb = torch.randn(m, k, device="cuda")
+    xb[:, :8] = 0  # gradient columns 0..7 exactly zero
+    dy, x = scaling_aware_transpose(act(m, n, device="cuda"), splits), scaling_aware_transpose(quantize_blockwise(xb),
+                                                                                                splits)
+    start = torch.randn(4, n, k, device="cuda")
+    start[:, :, :8] = 1e-40
+    start[0, 0, 8:13] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0])
+    buffer = torch.empty(start.numel() + 1, device="cuda")
+    off = buffer[1:].view(4, n, k).copy_(start)
+    aligned = start.clone()
+    assert takes_tma_epilogue(aligned, software_cast=False) and not takes_tma_epilogue(off, software_cast=False)
+    assert not takes_tma_epilogue(aligned, software_cast=True)
+    for out in (aligned, off):
+        grouped_gemm_wgrad(dy, x, splits, out=out, accumulate=mode == "added", backend="triton")
+    assert torch.equal(aligned.view(torch.int32), off.view(torch.int32))
+    if mode == "added":
+        assert (aligned[:, :, :8] == 1e-40).all() and aligned[0, 0, 8].isnan()
+    else:  # written: a BF16 output is the float32 one rounded
+        bf16 = grouped_gemm_wgrad(dy, x, splits, out_dtype=torch.bfloat16, backend="triton")
+        assert torch.equal(bf16.view(torch.int16), off.to(torch.bfloat16).view(torch.int16))
+
+
 @pytest.mark.parametrize("splits", [[0, 130, 0, 70], [256, 0, 0, 0]], ids=str)
 def test_wgrad_reads_each_experts_own_block(splits):
     """Expert-major operands built by hand, as DeepGEMM / TE's per-expert tensors give them: each expert's

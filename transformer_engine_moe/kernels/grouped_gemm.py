@@ -17,7 +17,8 @@ per-128 promotion), so a tile sees ``acc += dot(a_kb, b_kb) * sa * sb``.
 - ``grouped_gemm_wgrad``: ``C_g[N, K] = A^T_g @ B^T_g^T`` with both operands in
   the expert-major columnwise layout of the scaling-aware transpose (group g's
   ``[N, m_g]`` and ``[K, m_g]`` blocks, block-major 128x1 scales ``[num_column_blocks, N]``),
-  reducing over the group's tokens; float32 out, optionally accumulated into it (``main_grad``).
+  reducing over the group's tokens; float32 out, optionally accumulated into it (``main_grad``). On the GPU
+  the tiles go into one aligned ``[G, N, K]`` by TMA (``takes_tma_epilogue``), else by pointer stores.
   The splits may cover only the leading rows: rows after them (a weightless group) are never read.
 - Helpers other backends launch: ``zero_weightless_rows`` (DeepGEMM: the rows of a weightless group)
   and ``expert_major_scales`` (cuBLAS: each expert's 1x128 scales as its own transposed block).
@@ -28,6 +29,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..layout import address_table, num_column_blocks
 from .casts import cast_for_store, use_software_cast
@@ -124,12 +126,14 @@ def _grouped_wgrad_kernel(
     at_ptr, ats_ptr, bt_ptr, bts_ptr, c_ptr, sizes_ptr, num_groups, N, K,
     MAX_GROUPS: tl.constexpr, ACCUMULATE: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
-    C_TABLE: tl.constexpr = False, C_ALIGNED: tl.constexpr = True,
+    C_TABLE: tl.constexpr = False, C_ALIGNED: tl.constexpr = True, C_DESC: tl.constexpr = False,
 ):
     """One [BLOCK_N, BLOCK_K] tile of C_g [N, K] (float32; N % BLOCK_N == K % BLOCK_K == 0), reducing over
     group g's tokens. Consecutive programs take consecutive N tiles: they share X^T's rows in L2. C is
-    ``[G, N, K]`` at ``c_ptr``, or with ``C_TABLE`` G separate ``[N, K]`` whose addresses ``c_ptr`` lists
-    (int64; ``C_ALIGNED``: all 16-byte aligned)."""
+    ``[G, N, K]`` at ``c_ptr``; with ``C_DESC`` the same seen as ``[G * N, K]`` through ``c_ptr``, a TMA
+    descriptor of ``[BLOCK_N, BLOCK_K]`` blocks (the tile is stored, or added in L2, by one bulk copy); with
+    ``C_TABLE`` G separate ``[N, K]`` whose addresses ``c_ptr`` lists (int64; ``C_ALIGNED``: all 16-byte
+    aligned)."""
     num_n = N // BLOCK_N
     num_k = K // BLOCK_K
     pid = tl.program_id(0)
@@ -156,16 +160,23 @@ def _grouped_wgrad_kernel(
         for j in tl.range(0, tl.cdiv(size, 128), num_stages=NUM_STAGES):
             acc = _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, size, first_block,
                               N, K, n_rows, k_rows)
-    if C_TABLE:
-        c_g = tl.load(c_ptr + g).to(tl.pointer_type(tl.float32))
-        if C_ALIGNED:
-            c_g = tl.multiple_of(c_g, 16)
+    if C_DESC:
+        corner = [g * N + pid % num_n * BLOCK_N, (pid // num_n) % num_k * BLOCK_K]
+        if ACCUMULATE:
+            c_ptr.atomic_add(corner, acc)  # one addition per element, as below: the same bits
+        else:
+            c_ptr.store(corner, cast_for_store(acc, c_ptr.dtype, SOFTWARE_CAST))
     else:
-        c_g = c_ptr + g.to(tl.int64) * N * K
-    c = c_g + n_rows.to(tl.int64)[:, None] * K + k_rows[None, :]
-    if ACCUMULATE:
-        acc += tl.load(c)
-    tl.store(c, cast_for_store(acc, c.dtype.element_ty, SOFTWARE_CAST))
+        if C_TABLE:
+            c_g = tl.load(c_ptr + g).to(tl.pointer_type(tl.float32))
+            if C_ALIGNED:
+                c_g = tl.multiple_of(c_g, 16)
+        else:
+            c_g = c_ptr + g.to(tl.int64) * N * K
+        c = c_g + n_rows.to(tl.int64)[:, None] * K + k_rows[None, :]
+        if ACCUMULATE:
+            acc += tl.load(c)
+        tl.store(c, cast_for_store(acc, c.dtype.element_ty, SOFTWARE_CAST))
 
 
 @triton.jit
@@ -268,13 +279,27 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
         out = torch.empty((g, n, k), dtype=out_dtype, device=a_t.device)
     if g == 0 or n == 0 or k == 0:
         return out
-    c, aligned = address_table(out) if isinstance(out, list) else (out, True)
     block_n, block_k, num_warps, num_stages = config or WGRAD_CONFIG
+    software_cast = use_software_cast(a_t)
+    if isinstance(out, list):
+        c, aligned = address_table(out)
+    elif takes_tma_epilogue(out, software_cast):
+        c, aligned = TensorDescriptor.from_tensor(out.view(g * n, k), [block_n, block_k]), True
+    else:
+        c, aligned = out, True
     grid = (g * (n // block_n) * (k // block_k),)
     _grouped_wgrad_kernel[grid](
         a_t, a_t_scale_inv, b_t, b_t_scale_inv, c, sizes, g, n, k,
-        MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), SOFTWARE_CAST=use_software_cast(a_t),
+        MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), SOFTWARE_CAST=software_cast,
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, C_TABLE=isinstance(out, list), C_ALIGNED=aligned,
-        num_warps=num_warps, num_stages=num_stages,
+        C_DESC=isinstance(c, TensorDescriptor), num_warps=num_warps, num_stages=num_stages,
     )
     return out
+
+
+def takes_tma_epilogue(out: torch.Tensor, software_cast: bool) -> bool:
+    """Whether the wgrad kernel stores (or adds) its tiles into ``out [G, N, K]`` by TMA: on the GPU, for a
+    contiguous ``out`` at a 16-byte aligned address (a ``main_grad`` view elsewhere in a buffer may not be;
+    it takes the pointer stores, bitwise the same). Measured in docs/grouped_gemm.md ("The wgrad's TMA
+    epilogue")."""
+    return not software_cast and out.is_cuda and out.is_contiguous() and out.data_ptr() % 16 == 0
