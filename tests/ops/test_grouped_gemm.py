@@ -153,8 +153,7 @@ def test_gpu_wgrad_tma_epilogue_is_bitwise_the_pointer_stores(mode):
     buffer = torch.empty(start.numel() + 1, device="cuda")
     off = buffer[1:].view(4, n, k).copy_(start)
     aligned = start.clone()
-    assert takes_tma_epilogue(aligned, software_cast=False) and not takes_tma_epilogue(off, software_cast=False)
-    assert not takes_tma_epilogue(aligned, software_cast=True)
+    assert takes_tma_epilogue(aligned) and not takes_tma_epilogue(off) and not takes_tma_epilogue(aligned.cpu())
     for out in (aligned, off):
         grouped_gemm_wgrad(dy, x, splits, out=out, accumulate=mode == "added", backend="triton")
     assert torch.equal(aligned.view(torch.int32), off.view(torch.int32))

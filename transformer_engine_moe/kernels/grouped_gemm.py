@@ -280,26 +280,25 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     if g == 0 or n == 0 or k == 0:
         return out
     block_n, block_k, num_warps, num_stages = config or WGRAD_CONFIG
-    software_cast = use_software_cast(a_t)
     if isinstance(out, list):
         c, aligned = address_table(out)
-    elif takes_tma_epilogue(out, software_cast):
+    elif takes_tma_epilogue(out):
         c, aligned = TensorDescriptor.from_tensor(out.view(g * n, k), [block_n, block_k]), True
     else:
         c, aligned = out, True
     grid = (g * (n // block_n) * (k // block_k),)
     _grouped_wgrad_kernel[grid](
         a_t, a_t_scale_inv, b_t, b_t_scale_inv, c, sizes, g, n, k,
-        MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), SOFTWARE_CAST=software_cast,
+        MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), SOFTWARE_CAST=use_software_cast(a_t),
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, C_TABLE=isinstance(out, list), C_ALIGNED=aligned,
         C_DESC=isinstance(c, TensorDescriptor), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
-def takes_tma_epilogue(out: torch.Tensor, software_cast: bool) -> bool:
-    """Whether the wgrad kernel stores (or adds) its tiles into ``out [G, N, K]`` by TMA: on the GPU, for a
-    contiguous ``out`` at a 16-byte aligned address (a ``main_grad`` view elsewhere in a buffer may not be;
-    it takes the pointer stores, bitwise the same). Measured in docs/grouped_gemm.md ("The wgrad's TMA
-    epilogue")."""
-    return not software_cast and out.is_cuda and out.is_contiguous() and out.data_ptr() % 16 == 0
+def takes_tma_epilogue(out: torch.Tensor) -> bool:
+    """Whether the wgrad kernel stores (or adds) its tiles into ``out [G, N, K]`` by TMA: on the GPU (CPU tensors
+    are the interpreter's, which takes the pointer stores), for a contiguous ``out`` at a 16-byte aligned address
+    (a ``main_grad`` view elsewhere in a buffer may not be; it takes the pointer stores, bitwise the same).
+    Measured in docs/grouped_gemm.md ("The wgrad's TMA epilogue")."""
+    return out.is_cuda and out.is_contiguous() and out.data_ptr() % 16 == 0
