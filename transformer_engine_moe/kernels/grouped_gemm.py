@@ -138,8 +138,10 @@ def _grouped_wgrad_kernel(
     num_k = K // BLOCK_K
     pid = tl.program_id(0)
     g = pid // (num_n * num_k)
-    n_rows = pid % num_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_rows = (pid // num_n) % num_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    n0 = pid % num_n * BLOCK_N  # the tile's first row and column of C_g
+    k0 = (pid // num_n) % num_k * BLOCK_K
+    n_rows = n0 + tl.arange(0, BLOCK_N)
+    k_rows = k0 + tl.arange(0, BLOCK_K)
     first_row, size, first_block = group_extent(g, sizes_ptr, num_groups, MAX_GROUPS)
     acc = tl.zeros((BLOCK_N, BLOCK_K), tl.float32)
     if SOFTWARE_CAST:  # the interpreter: it cannot range() over run-time values
@@ -161,11 +163,10 @@ def _grouped_wgrad_kernel(
             acc = _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, size, first_block,
                               N, K, n_rows, k_rows)
     if C_DESC:
-        corner = [g * N + pid % num_n * BLOCK_N, (pid // num_n) % num_k * BLOCK_K]
         if ACCUMULATE:
-            c_ptr.atomic_add(corner, acc)  # one addition per element, as below: the same bits
+            c_ptr.atomic_add([g * N + n0, k0], acc)  # one addition per element, as below: the same bits
         else:
-            c_ptr.store(corner, cast_for_store(acc, c_ptr.dtype, SOFTWARE_CAST))
+            c_ptr.store([g * N + n0, k0], cast_for_store(acc, c_ptr.dtype, SOFTWARE_CAST))
     else:
         if C_TABLE:
             c_g = tl.load(c_ptr + g).to(tl.pointer_type(tl.float32))
