@@ -28,9 +28,10 @@ GPU, ``wall_ms`` until the GPU is done, ``gpu_ms`` kernel time per step (torch p
 launches by the host per step (a graphed step's kernels come from its two graph launches, not counted);
 ``vs_bf16_grouped_mm``: the baseline's ``wall_ms`` over the row's, where this call measured the baseline.
 
-Results: ``bench_graphed_moe`` (``qwen3_moe_like``) or ``bench_graphed_moe_<config>``. Run on a GPU:
+Results: ``results_name``: ``bench_graphed_moe`` (``qwen3_moe_like``) or ``bench_graphed_moe_<config>``, then
+``--suffix`` (e.g. ``_unfused`` beside a fused run). Run on a GPU:
 ``python benchmarks/bench_graphed_moe.py [--config dsv3_ep8_rank] [--experts 32 64] [--tokens 4096]
-[--fuse-wgrad-accumulation]``. Each (experts, tokens) point runs in a fresh process (``utils.in_fresh_processes``):
+[--fuse-wgrad-accumulation] [--suffix _unfused]``. Each (experts, tokens) point runs in a fresh process (``utils.in_fresh_processes``):
 its allocator and compiled kernels its own, as ``bench_moe_layer``'s.
 """
 
@@ -115,6 +116,12 @@ def measure_point(config: str, experts: int, tokens: int, variants, steps: int, 
     return rows
 
 
+def results_name(config: str, suffix: str = "") -> str:
+    """The results' file stem: ``bench_graphed_moe`` at ``qwen3_moe_like``, else ``bench_graphed_moe_<config>``,
+    then ``suffix``."""
+    return f"bench_graphed_moe{'' if config == 'qwen3_moe_like' else '_' + config}{suffix}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=list(CONFIGS), default="qwen3_moe_like",
@@ -127,6 +134,7 @@ def main():
                         help="wgrad GEMMs add into main_grad (Megatron's --gradient-accumulation-fusion, with TE)")
     parser.add_argument("--variants", nargs="+", choices=[BASELINE, *VARIANTS, *NO_DEEPGEMM],
                         default=[BASELINE, *VARIANTS, *NO_DEEPGEMM])
+    parser.add_argument("--suffix", default="", help="appended to the results' name (results_name)")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # one (experts, tokens) point: its rows' JSON here
     args = parser.parse_args()
     c = CONFIGS[args.config]
@@ -145,7 +153,7 @@ def main():
             argv.append("--fuse-wgrad-accumulation")
         rows += utils.in_fresh_processes(argv, 1)[0]
     path = utils.write_results(
-        f"bench_graphed_moe{'' if args.config == 'qwen3_moe_like' else '_' + args.config}",
+        results_name(args.config, args.suffix),
         "Host time vs GPU time of one FP8-Flow MoE layer step, eager and from CUDA graphs",
         {**utils.environment(), "fuse_wgrad_accumulation": args.fuse_wgrad_accumulation}, {}, rows,
         ["config", "experts", "hidden", "ffn", "topk", "tokens", "block", "host_ms", "wall_ms", "gpu_ms", "launches",

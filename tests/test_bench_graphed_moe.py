@@ -44,3 +44,12 @@ def test_baseline_is_the_bf16_block_over_the_same_experts(monkeypatch):
     assert torch.equal(block.fc1, torch.stack(fp8.linear_fc1.weights))
     step(), step()
     assert all(p.grad is None and p.main_grad.abs().sum() > 0 for p in block.parameters())
+
+
+def test_results_name_takes_the_config_then_the_suffix(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import bench_graphed_moe as bench
+
+    assert bench.results_name("qwen3_moe_like") == "bench_graphed_moe"
+    assert bench.results_name("dsv3_ep8_rank") == "bench_graphed_moe_dsv3_ep8_rank"
+    assert bench.results_name("dsv3_ep8_rank", "_unfused") == "bench_graphed_moe_dsv3_ep8_rank_unfused"
