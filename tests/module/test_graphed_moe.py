@@ -296,3 +296,22 @@ def test_captures_see_the_weights_through_leaves_of_their_own(single):
     with _weight_leaves(block, leaves) as again:
         assert again is leaves and same(trainable(), leaves)
     assert same(trainable(), params)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["hook", "fused"])
+def test_graphs_put_weight_gradients_into_main_grad_where_every_weight_has_one(fused):
+    """``_into_main_grad`` (the warm-up's and the capture's decision): with the block's wgrad fusion, always; with
+    ``accumulate_into_main_grad`` and a ``main_grad`` on every weight, the linears' ``add_wgrad_into_main_grad`` set
+    (the hook's sums, in the wgrad GEMMs); a weight without one, or the flag off: neither."""
+    block = _block(fuse_wgrad_accumulation=fused)
+    params = [p for p in block.parameters() if p.requires_grad]
+    linears = (block.linear_fc1, block.linear_fc2)
+    for accumulate in (True, False):
+        graphed = GraphedFP8FlowMoE(block, accumulate_into_main_grad=accumulate)
+        for p in params:
+            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+        assert graphed._into_main_grad(params) == (fused or accumulate)
+        assert all(lin.add_wgrad_into_main_grad == (accumulate and not fused) for lin in linears)
+        del params[-1].main_grad
+        assert graphed._into_main_grad(params) == fused
+        assert not any(lin.add_wgrad_into_main_grad for lin in linears)

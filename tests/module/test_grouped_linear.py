@@ -191,6 +191,40 @@ def test_main_grad_in_one_buffer_accumulated_in_place(order, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["one_buffer", "reversed", "single_weight"])
+@pytest.mark.parametrize("backend", ["triton", "reference"] + (["cublas"] if CUDA else []))
+@pytest.mark.parametrize("overwrite", [False, True], ids=["added", "written"])
+def test_add_wgrad_into_main_grad_is_what_ddps_hook_adds(layout, backend, overwrite, monkeypatch):
+    """``add_wgrad_into_main_grad`` (GraphedFP8FlowMoE's, without wgrad fusion): the gradient rounded to the
+    weights' BF16, added into ``main_grad`` (written over it with ``overwrite_main_grad``), bit for bit what
+    Megatron DDP's hook adds from the ``.grad`` an unflagged module gives (or copies); in the wgrad GEMM's epilogue
+    (no addition after it) but on cuBLAS, which hands over float32 sums: there written, then added. Placeholders for
+    ``.grad``, ``grad_added_to_main_grad`` set."""
+    splits = [128, 0, 256]
+    single = layout == "single_weight"
+    gl, x = setup(splits, backend=backend, single_grouped_weight=single, device="cuda" if backend == "cublas" else
+                  KERNEL_DEVICE)
+    ref_gl, _ = setup(splits, backend=backend, single_grouped_weight=single, device=x.device)
+    ref_gl.load_state_dict(gl.state_dict())
+    gl.add_wgrad_into_main_grad = True
+    buf = torch.randn(3, 128, 256, device=x.device)
+    buf[0, 0, :4] = torch.tensor([float("nan"), -0.0, 1e-40, float("inf")])
+    views = [buf] if single else list(buf.unbind(0))[::-1 if layout == "reversed" else 1]
+    for w, mg in zip(gl.weight_params, views):
+        w.main_grad, w.overwrite_main_grad = mg, overwrite
+    dy = torch.randn(384, 128, device=x.device, dtype=torch.bfloat16)
+    ref_gl(x, splits).backward(dy)
+    want = [mg.clone() for mg in views]
+    (torch._foreach_copy_ if overwrite else torch._foreach_add_)(want, [w.grad for w in ref_gl.weight_params])
+    if backend != "cublas":
+        monkeypatch.setattr(torch, "_foreach_add_", lambda *a: pytest.fail("main_grad added after the GEMM"))
+        monkeypatch.setattr(torch, "_foreach_copy_", lambda *a: pytest.fail("main_grad written after the GEMM"))
+    gl(x, splits).backward(dy)
+    for w, mg, r in zip(gl.weight_params, views, want):
+        assert torch.equal(mg.view(torch.int32), r.view(torch.int32)) and w.grad_added_to_main_grad
+        assert w.grad is not None and (w.grad.is_sparse or w.grad.count_nonzero() == 0)
+
+
+@pytest.mark.parametrize("layout", ["one_buffer", "reversed", "single_weight"])
 def test_overwrite_main_grad_writes_wgrad_over_it(layout):
     """Weights with ``overwrite_main_grad`` (Megatron-FSDP) get wgrad written over their ``main_grad``, NaN
     there included, in one buffer (in place), per expert, or as one grouped weight: bitwise what is added into

@@ -119,6 +119,44 @@ def test_wgrad_into_a_list_of_main_grads(backend, order, accumulate):
     assert torch.equal(outs[1], start[1] if accumulate else torch.zeros_like(start[1]))
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("splits", [[100, 0, 156, 128], [384, 0, 0, 0]], ids=str)
+@pytest.mark.parametrize("as_list", [False, True], ids=["one-buffer", "list"])
+@pytest.mark.parametrize("accumulate", [True, False], ids=["added", "written"])
+def test_wgrad_rounded_to_bf16_is_what_adding_a_bf16_grad_gives(backend, splits, as_list, accumulate):
+    """``out_dtype=torch.bfloat16`` with ``out``: each sum rounded to BF16, then added into (or written over) the
+    float32 ``out``: bit for bit what writing the BF16 gradient and adding it (Megatron DDP's hook without
+    gradient-accumulation fusion: ``main_grad.add_(grad)``) or copying it gives. main_grad holds NaN, infinities,
+    signed zeros and subnormals; empty experts add +0 (or write zeros)."""
+    m, n, k = sum(splits), 128, 256
+    dy, x = scaling_aware_transpose(act(m, n), splits), scaling_aware_transpose(act(m, k), splits)
+    start = torch.randn(4, n, k, device=KERNEL_DEVICE)
+    start[0, 0, :6] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-40])
+    grad = grouped_gemm_wgrad(dy, x, splits, out_dtype=torch.bfloat16, backend=backend)
+    want = start.clone()
+    (torch._foreach_add_ if accumulate else torch._foreach_copy_)(list(want.unbind(0)), list(grad.unbind(0)))
+    got = start.clone()
+    out = list(got.flip(0).contiguous().unbind(0))[::-1] if as_list else got  # a list: DDP's reversed layout
+    grouped_gemm_wgrad(dy, x, splits, out=out, accumulate=accumulate, out_dtype=torch.bfloat16, backend=backend)
+    got = torch.stack(out) if as_list else got
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    unrounded = start.clone()
+    grouped_gemm_wgrad(dy, x, splits, out=unrounded, accumulate=accumulate, backend=backend)
+    assert not torch.equal(unrounded, got)  # float32 sums: other bits
+
+
+def test_rounded_wgrad_runs_where_an_epilogue_rounds():
+    """A wgrad rounded to BF16 before it goes into a float32 out: cuBLAS and DeepGEMM hand over float32 sums, so
+    they refuse it by name and "auto" runs Triton; without rounding they take it as before."""
+    f32, bf16 = torch.float32, torch.bfloat16
+    for kind in ("wgrad", "wgrad_accumulate"):
+        call = GemmCall(kind, E4M3, E4M3, [1024] * 128, bf16, V3_FC2, deepgemm=True, cublaslt=True, rounded=True)
+        for backend in ("cublas", "deepgemm"):
+            assert "rounded to torch.bfloat16 before it goes into out" in why_not(backend, call)
+        assert why_not("triton", call) is None and auto_backend(call) == "triton"
+        assert auto_backend(dataclasses.replace(call, out_dtype=f32, rounded=False)) == "cublas"
+
+
 def test_wgrad_list_out_is_checked():
     dy = x = scaling_aware_transpose(act(256, 256, device="cpu"), [128, 128])
     good = torch.zeros(256, 256)

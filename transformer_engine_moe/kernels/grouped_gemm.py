@@ -127,13 +127,15 @@ def _grouped_wgrad_kernel(
     MAX_GROUPS: tl.constexpr, ACCUMULATE: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
     C_TABLE: tl.constexpr = False, C_ALIGNED: tl.constexpr = True, C_DESC: tl.constexpr = False,
+    ROUND_BF16: tl.constexpr = False,
 ):
     """One [BLOCK_N, BLOCK_K] tile of C_g [N, K] (float32; N % BLOCK_N == K % BLOCK_K == 0), reducing over
     group g's tokens. Consecutive programs take consecutive N tiles: they share X^T's rows in L2. C is
     ``[G, N, K]`` at ``c_ptr``; with ``C_DESC`` the same seen as ``[G * N, K]`` through ``c_ptr``, a TMA
     descriptor of ``[BLOCK_N, BLOCK_K]`` blocks (the tile is stored, or added in L2, by one bulk copy); with
     ``C_TABLE`` G separate ``[N, K]`` whose addresses ``c_ptr`` lists (int64; ``C_ALIGNED``: all 16-byte
-    aligned)."""
+    aligned). ``ROUND_BF16``: the float32 tile rounded to BF16 before it is written into or added to a float32 C
+    (what adding a BF16 ``.grad`` gives)."""
     num_n = N // BLOCK_N
     num_k = K // BLOCK_K
     pid = tl.program_id(0)
@@ -162,6 +164,8 @@ def _grouped_wgrad_kernel(
         for j in tl.range(0, tl.cdiv(size, 128), num_stages=NUM_STAGES):
             acc = _wgrad_step(acc, at_ptr, ats_ptr, bt_ptr, bts_ptr, j, first_row, size, first_block,
                               N, K, n_rows, k_rows)
+    if ROUND_BF16:
+        acc = cast_for_store(acc, tl.bfloat16, SOFTWARE_CAST).to(tl.float32)
     if C_DESC:
         if ACCUMULATE:
             c_ptr.atomic_add([g * N + n0, k0], acc)  # one addition per element, as below: the same bits
@@ -270,12 +274,14 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
                        out_dtype=torch.float32, config=None):
     """``a_t``, ``b_t``: the expert-major 128x1 columnwise data (``[M*N]``, ``[M*K]``, ``layout.py``) of
     ``dY [M, N]`` and ``X [M, K]`` grouped by ``m_splits``, with block-major scales ``[num_column_blocks, N]``
-    and ``[.., K]`` -> ``C [G, N, K]`` in ``out_dtype`` (written into ``out``, or added to it when
-    ``accumulate``, float32; ``out`` may also be a list of G float32 ``[N, K]``, anywhere in memory). N and
+    and ``[.., K]`` -> ``C [G, N, K]`` in ``out_dtype`` (or written into ``out``, or added to it when
+    ``accumulate``, float32, after rounding to ``out_dtype``; ``out`` may also be a list of G float32 ``[N, K]``,
+    anywhere in memory). N and
     K multiples of the block shape (128). ``m_splits`` may sum to fewer rows than the operands hold: the rows
     after its G groups (a weightless group) are not read."""
     n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
     sizes, g, _, max_groups = group_sizes_arg(m_splits, a_t.device)
+    given = out is not None
     if out is None:
         out = torch.empty((g, n, k), dtype=out_dtype, device=a_t.device)
     if g == 0 or n == 0 or k == 0:
@@ -292,7 +298,8 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
         a_t, a_t_scale_inv, b_t, b_t_scale_inv, c, sizes, g, n, k,
         MAX_GROUPS=max_groups, ACCUMULATE=bool(accumulate), SOFTWARE_CAST=use_software_cast(a_t),
         BLOCK_N=block_n, BLOCK_K=block_k, NUM_STAGES=num_stages, C_TABLE=isinstance(out, list), C_ALIGNED=aligned,
-        C_DESC=isinstance(c, TensorDescriptor), num_warps=num_warps, num_stages=num_stages,
+        C_DESC=isinstance(c, TensorDescriptor), ROUND_BF16=given and out_dtype == torch.bfloat16,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

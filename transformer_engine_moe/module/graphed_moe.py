@@ -15,7 +15,7 @@ evaluation, always run the block eagerly) runs eagerly, forward and backward, an
 second training call the pool captures the graphs of every block that ran so, as
 ``torch.cuda.make_graphed_callables`` does for its callables: two eager warm-up steps each on a side stream with
 zero output gradients (a first micro-batch's path, then a later one's: kernels compiled, the address tables the
-kernels read built; with ``main_grad`` fusion the warm-up adds zeros into ``main_grad``), then the weights and
+kernels read built; where the graphs add into ``main_grad`` the warm-up adds zeros into it), then the weights and
 forward graphs in the order the blocks were first called, then the backward graphs in reverse: the order Megatron
 replays them (layers forward, then backward from the last). So every capture runs in a forward, outside autograd's
 backward: a capture inside it (a reentrant ``torch.autograd.grad``) let the autograd engine run the surrounding
@@ -36,8 +36,9 @@ Weight gradients, as the eager block gives them:
 
 - into each weight's ``main_grad`` (Megatron's DDP buffers) when the block's ``GroupedLinear``s fuse wgrad
   accumulation, or with ``accumulate_into_main_grad=True`` when every weight has a ``main_grad`` at capture:
-  the backward graph adds the weight-dtype gradient into it, which is what Megatron's DDP hook adds from
-  ``.grad`` (the same sums, bit for bit; written over it where ``overwrite_main_grad`` is set); the weights get
+  the wgrad GEMMs add the gradient rounded to the weights' dtype into it
+  (``GroupedLinear.add_wgrad_into_main_grad``, set from the warm-up on), which is what Megatron's DDP hook adds
+  from ``.grad`` (the same sums, bit for bit; written over it where ``overwrite_main_grad`` is set); the weights get
   ``grad_added_to_main_grad = True`` and autograd the kept zero placeholders, so DDP's hooks fire and add
   nothing, as with TE's fused wgrad. No ``[G, N, K]`` gradient leaves the graph;
 - otherwise into static buffers that autograd accumulates into ``.grad`` (a copy: autograd cannot take over
@@ -65,7 +66,7 @@ from typing import Optional
 
 import torch
 
-from .grouped_linear import _accumulates_into_main_grad, _placeholder_wgrad
+from .grouped_linear import _placeholder_wgrad
 from .moe import FP8FlowMoE
 
 # the eager warm-up steps before the capture, by their is_first_microbatch: quantizing (and caching) the weights,
@@ -217,9 +218,22 @@ class GraphedFP8FlowMoE:
         leaves = (inputs[0].data.requires_grad_(), inputs[1].data.requires_grad_(), inputs[2].data)
         return leaves, [p for p in self.block.parameters() if p.requires_grad]
 
+    def _into_main_grad(self, params) -> bool:
+        """Whether the graphs put the weight gradients into ``main_grad``: the block's wgrad fusion, or
+        ``accumulate_into_main_grad`` with a ``main_grad`` on every weight, where the linears then add each gradient
+        in the weights' dtype themselves (``GroupedLinear.add_wgrad_into_main_grad``: DDP's hook's sums, in the wgrad
+        GEMM's epilogue). Sets that flag."""
+        linears = (self.block.linear_fc1, self.block.linear_fc2)
+        adds = not linears[0].fuse_wgrad_accumulation and self.accumulate_into_main_grad and bool(params) and all(
+            getattr(p, "main_grad", None) is not None for p in params)
+        for lin in linears:
+            lin.add_wgrad_into_main_grad = adds
+        return linears[0].into_main_grad
+
     def _warm_up(self) -> None:
         """Two eager steps on a side stream, on the first call's inputs."""
         leaves, params = self._leaves()
+        self._into_main_grad(params)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -235,9 +249,7 @@ class GraphedFP8FlowMoE:
         (leaves, params), inputs, self._sample = self._leaves(), self._sample, None
         block = self.block
         linears = (block.linear_fc1, block.linear_fc2)
-        main_grad = block.linear_fc1.fuse_wgrad_accumulation or (
-            self.accumulate_into_main_grad and bool(params) and
-            all(getattr(p, "main_grad", None) is not None for p in params))
+        main_grad = self._into_main_grad(params)
         tables = [t for lin in linears for t in lin.address_tables()]
         weights_graph, forward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with _weight_leaves(block) as weight_leaves:
@@ -264,14 +276,8 @@ class GraphedFP8FlowMoE:
                 torch.cuda.graph(c.backward_graph, pool=pool, capture_error_mode="thread_local"):
             self._install_caches(c)  # what a moe_expert rerun reads
             grads = torch.autograd.grad(c.graph_root, [*c.leaves[:2], *c.weight_leaves], c.grad_output)
-            if c.main_grad and not self.block.linear_fc1.fuse_wgrad_accumulation:
-                main_grads = [p.main_grad for p in c.params]
-                if _accumulates_into_main_grad(c.params):
-                    torch._foreach_add_(main_grads, list(grads[2:]))
-                else:
-                    torch._foreach_copy_(main_grads, list(grads[2:]))
-            c.grads = grads[:2] if c.main_grad else grads
-            del grads  # the weights' gradients freed inside the capture (added into main_grad, or kept in c.grads)
+            c.grads = grads[:2] if c.main_grad else grads  # with main_grad: the weights' are placeholders
+            del grads
         c.graph_root = None
 
     # ------------------------------------------------------------------ replay

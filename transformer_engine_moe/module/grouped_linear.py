@@ -29,7 +29,10 @@ used as is, never dequantized. Per step:
   (Megatron), or written over it where the weights have ``overwrite_main_grad`` set
   (Megatron-FSDP), and ``.grad`` gets a zero placeholder, as in TE (an empty sparse one for a
   grouped weight: no bytes): Megatron's DDP hooks fire when the weight's gradient is accumulated,
-  and skip weights whose ``grad_added_to_main_grad`` is set.
+  and skip weights whose ``grad_added_to_main_grad`` is set. With ``add_wgrad_into_main_grad`` (set by
+  ``GraphedFP8FlowMoE`` where Megatron's DDP adds ``.grad`` into ``main_grad`` without that fusion) the same,
+  but each sum rounded to the weights' dtype before it is added: what DDP's hook adds from a ``.grad``, bit
+  for bit, without the ``.grad`` buffer and the hook's pass over it.
 
 One parameter per expert costs host time in every backward (autograd's gradient
 accumulation and each hook Megatron's DDP registers there, per parameter and micro-batch);
@@ -140,7 +143,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         x = inp if isinstance(inp, Float8BlockwiseQTensor) else quantize_in_function(
             inp.contiguous(), module.quantizers[Role.INPUT].args)
         # grad_enabled: the caller's grad mode (this forward runs without it; needs_input_grad does not say)
-        ctx.wgrad = grad_enabled and (any(ctx.needs_input_grad[8:]) or module.fuse_wgrad_accumulation)
+        ctx.wgrad = grad_enabled and (any(ctx.needs_input_grad[8:]) or module.into_main_grad)
         ctx.impl = implementation("auto", x, "GroupedLinear")  # the scaling-aware transposes of x and dy
         if ctx.wgrad:  # only wgrad reads the input, 128x1: its scaling-aware transpose (the same bytes as x)
             m_splits = check_m_splits(m_splits, x.shape[0], device=x.device)  # before the transpose (the GEMM too)
@@ -202,15 +205,21 @@ class _GroupedLinearFunction(torch.autograd.Function):
             x_t = Float8BlockwiseQTensor._of_launch(shape=shape, dtype=dtype, fp8_dtype=fp8_dtype,
                                                     force_pow_2_scales=pow2, columnwise_data=data,
                                                     columnwise_scale_inv=scale, columnwise_m_splits=m_splits)
-            if module.fuse_wgrad_accumulation:
+            if module.into_main_grad:
                 main_grads = [w.main_grad for w in ctx.weights]  # per expert [N, K], or one [G, N, K]
                 accumulate = _accumulates_into_main_grad(ctx.weights)
                 out = _wgrad_out(main_grads)
+                # float32 sums (fusion), or rounded to the weights' dtype first (add_wgrad_into_main_grad): in the
+                # GEMM's epilogue, but by cuBLAS or DeepGEMM, which hand over float32 sums, written then added
+                grad_dtype = torch.float32 if module.fuse_wgrad_accumulation else ctx.weights[0].dtype
+                if grad_dtype != torch.float32 and module.backend in ("cublas", "deepgemm"):
+                    out = None
                 if out is not None:  # in place (cuBLASLt's beta = 1, DeepGEMM's C = D, Triton's read-add-write)
-                    grouped_gemm_wgrad(dy_t, x_t, m_splits, out=out, accumulate=accumulate,
+                    grouped_gemm_wgrad(dy_t, x_t, m_splits, out=out, accumulate=accumulate, out_dtype=grad_dtype,
                                        num_groups=module.num_gemms, backend=module.backend)
                 else:
-                    wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, num_groups=module.num_gemms, backend=module.backend)
+                    wgrad = grouped_gemm_wgrad(dy_t, x_t, m_splits, out_dtype=grad_dtype, num_groups=module.num_gemms,
+                                               backend=module.backend)
                     parts = [wgrad] if module.single_grouped_weight else list(wgrad.unbind(0))
                     (torch._foreach_add_ if accumulate else torch._foreach_copy_)(main_grads, parts)
                 for w in ctx.weights:
@@ -286,6 +295,8 @@ class GroupedLinear(nn.Module):
         self.recipe = recipe or FP8FlowRecipe()
         self.quantizers = {role: Float8BlockQuantizer.from_recipe(self.recipe, role) for role in Role}
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        # set by GraphedFP8FlowMoE (the module docstring): weight gradients rounded to the weights' dtype, then added
+        self.add_wgrad_into_main_grad = False
         self.backend = backend
         self.bias_dtype = params_dtype
         self.single_grouped_weight = single_grouped_weight
@@ -315,6 +326,12 @@ class GroupedLinear(nn.Module):
         self.use_bias = bias
         self._cache = self._prefetched = None
         self._main_grad_addresses = None  # the main_grads last found disjoint (forward)
+
+    @property
+    def into_main_grad(self) -> bool:
+        """Whether the wgrad GEMM adds (or writes) into the weights' ``main_grad``: ``fuse_wgrad_accumulation`` or
+        ``add_wgrad_into_main_grad`` (the module docstring)."""
+        return self.fuse_wgrad_accumulation or self.add_wgrad_into_main_grad
 
     @property
     def weight_backend(self) -> str:
@@ -381,7 +398,7 @@ class GroupedLinear(nn.Module):
         one) and returned, so that whoever captures a graph reading them keeps them alive: they are cached by
         address, and a captured graph holds no reference to what it reads."""
         tables = [address_table(self.weights)]
-        if self.fuse_wgrad_accumulation:
+        if self.into_main_grad:
             out = _wgrad_out([w.main_grad for w in self.weight_params])
             if isinstance(out, list):
                 tables.append(address_table(out))
@@ -420,7 +437,7 @@ class GroupedLinear(nn.Module):
         as in TE (``fp8_weights``)."""
         self._check_input(inp)
         check_is_first_microbatch(is_first_microbatch)
-        if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
+        if self.into_main_grad and torch.is_grad_enabled():
             named = [(name, w) for name, w in self._weight_names() if w.requires_grad]
             for name, w in named:
                 _check_main_grad(name, w)
