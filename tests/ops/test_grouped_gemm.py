@@ -145,16 +145,42 @@ def test_wgrad_rounded_to_bf16_is_what_adding_a_bf16_grad_gives(backend, splits,
     assert not torch.equal(unrounded, got)  # float32 sums: other bits
 
 
-def test_rounded_wgrad_runs_where_an_epilogue_rounds():
-    """A wgrad rounded to BF16 before it goes into a float32 out: cuBLAS and DeepGEMM hand over float32 sums, so
-    they refuse it by name and "auto" runs Triton; without rounding they take it as before."""
-    f32, bf16 = torch.float32, torch.bfloat16
-    for kind in ("wgrad", "wgrad_accumulate"):
-        call = GemmCall(kind, E4M3, E4M3, [1024] * 128, bf16, V3_FC2, deepgemm=True, cublaslt=True, rounded=True)
-        for backend in ("cublas", "deepgemm"):
-            assert "rounded to torch.bfloat16 before it goes into out" in why_not(backend, call)
-        assert why_not("triton", call) is None and auto_backend(call) == "triton"
-        assert auto_backend(dataclasses.replace(call, out_dtype=f32, rounded=False)) == "cublas"
+@pytest.mark.parametrize("library", ["cublas", "deepgemm"])
+@pytest.mark.parametrize("as_list", [False, True], ids=["one-buffer", "list"])
+def test_rounded_wgrad_on_a_library_is_the_bf16_gradient_then_added(monkeypatch, library, as_list):
+    """cuBLAS and DeepGEMM hand over float32 sums: there a wgrad rounded to BF16 into ``out`` is the BF16 gradient
+    written by the library, then added, the same bits as the reference's rounding; "auto" decides it as a written
+    wgrad (``GemmCall`` kind "wgrad", BF16 out: DeepGEMM from 8192 rows per expert, ``deepgemm_pays``). The library
+    stands in as the reference under its name (CPU)."""
+    import importlib
+
+    from transformer_engine_moe import backend
+
+    ops = importlib.import_module("transformer_engine_moe.ops.grouped_gemm")  # the module, not its function
+    seen = []
+
+    def written_only(a, a_s, b, b_s, m, out, accumulate, out_dtype):
+        seen.append((out, accumulate, out_dtype))
+        return backend.REFERENCE.grouped_gemm_wgrad(a, a_s, b, b_s, m, out, accumulate, out_dtype)
+
+    lib = dataclasses.replace(backend.REFERENCE, name=library, grouped_gemm_wgrad=written_only)
+    calls = []
+    monkeypatch.setattr(ops, "_impl", lambda backend, call, a, op: calls.append(call) or lib)
+    splits = [100, 0, 156, 128]
+    m, n, k = sum(splits), 128, 256
+    dy, x = scaling_aware_transpose(act(m, n, device="cpu"), splits), scaling_aware_transpose(act(m, k, device="cpu"),
+                                                                                               splits)
+    start = torch.randn(4, n, k)
+    start[0, 0, :3] = torch.tensor([float("nan"), -0.0, 1e-40])
+    want = start.clone()
+    backend.REFERENCE.grouped_gemm_wgrad(dy.columnwise_data, dy.columnwise_scale_inv, x.columnwise_data,
+                                         x.columnwise_scale_inv, splits, want, True, torch.bfloat16)
+    got = start.clone()
+    out = list(got.flip(0).contiguous().unbind(0))[::-1] if as_list else got
+    assert grouped_gemm_wgrad(dy, x, splits, out=out, accumulate=True, out_dtype=torch.bfloat16) is out
+    assert torch.equal((torch.stack(out) if as_list else got).view(torch.int32), want.view(torch.int32))
+    assert seen == [(None, False, torch.bfloat16)]
+    assert (calls[0].kind, calls[0].out_dtype, calls[0].out_list) == ("wgrad", torch.bfloat16, False)
 
 
 def test_wgrad_list_out_is_checked():

@@ -209,11 +209,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 main_grads = [w.main_grad for w in ctx.weights]  # per expert [N, K], or one [G, N, K]
                 accumulate = _accumulates_into_main_grad(ctx.weights)
                 out = _wgrad_out(main_grads)
-                # float32 sums (fusion), or rounded to the weights' dtype first (add_wgrad_into_main_grad): in the
-                # GEMM's epilogue, but by cuBLAS or DeepGEMM, which hand over float32 sums, written then added
+                # float32 sums (fusion), or rounded to the weights' dtype first (add_wgrad_into_main_grad)
                 grad_dtype = torch.float32 if module.fuse_wgrad_accumulation else ctx.weights[0].dtype
-                if grad_dtype != torch.float32 and module.backend in ("cublas", "deepgemm"):
-                    out = None
                 if out is not None:  # in place (cuBLASLt's beta = 1, DeepGEMM's C = D, Triton's read-add-write)
                     grouped_gemm_wgrad(dy_t, x_t, m_splits, out=out, accumulate=accumulate, out_dtype=grad_dtype,
                                        num_groups=module.num_gemms, backend=module.backend)

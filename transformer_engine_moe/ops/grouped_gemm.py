@@ -112,8 +112,7 @@ class GemmCall:
     (``cublas_pays``); ``out_list``: a wgrad's ``out`` is G separate tensors; ``cuda``: the operands are on a GPU,
     where ``deepgemm`` (importable, Hopper), ``cublaslt`` (>= 12.9, Hopper) and ``gluon`` (Hopper, Triton 3.6) can
     run or not; ``n``: the output's columns (the Gluon kernel's tiles are 256 wide); ``rows``: M, the rows the
-    splits divide (``deepgemm_pays``); ``rounded``: a wgrad rounded to ``out_dtype`` before it goes into a
-    float32 ``out`` (Triton's epilogue; cuBLAS and DeepGEMM hand over the float32 sums)."""
+    splits divide (``deepgemm_pays``)."""
 
     kind: str
     a_dtype: torch.dtype
@@ -128,16 +127,14 @@ class GemmCall:
     gluon: bool = False
     n: int = 0
     rows: int = 0
-    rounded: bool = False
 
     @classmethod
     def of(cls, kind: str, a: torch.Tensor, b_dtype: torch.dtype, m_splits, out_dtype: torch.dtype,
-           weight_elements: int = 0, out_list: bool = False, n: int = 0, rows: int = 0,
-           rounded: bool = False) -> "GemmCall":
+           weight_elements: int = 0, out_list: bool = False, n: int = 0, rows: int = 0) -> "GemmCall":
         """The call on ``a`` (the first operand's FP8 data) and its device."""
         return cls(kind, a.dtype, b_dtype, m_splits, out_dtype, weight_elements, out_list, a.is_cuda,
                    a.is_cuda and deepgemm.available(a.device), a.is_cuda and cublaslt.available(a.device),
-                   a.is_cuda and gluon_available(a.device), n, rows, rounded)
+                   a.is_cuda and gluon_available(a.device), n, rows)
 
 
 @functools.cache
@@ -164,9 +161,6 @@ def why_not(backend: str, call: GemmCall) -> Optional[str]:
     if not call.cuda:
         return "it needs CUDA tensors"
     wgrad = call.kind != "fprop"
-    if call.rounded and backend in ("deepgemm", "cublas"):
-        return (f"it hands over the float32 sums, and this wgrad is rounded to {call.out_dtype} before it goes into "
-                "out (Triton's epilogue)")
     if backend == "gluon":
         if wgrad:
             return None  # Triton's wgrad
@@ -383,8 +377,9 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
     a list that is not one runs on cuBLAS or Triton. Returned as given. Without ``out``, a new tensor in
     ``out_dtype`` (FP32 accumulation, one rounding at the end). With ``out`` and ``out_dtype`` BF16, each sum is
     rounded to BF16 before it is written or added: what writing or adding a BF16 gradient into ``out`` gives
-    (Megatron DDP's hook without gradient-accumulation fusion), bit for bit, in the GEMM's epilogue (Triton;
-    cuBLAS and DeepGEMM cannot). ``num_groups``: the gradients of the first
+    (Megatron DDP's hook without gradient-accumulation fusion), bit for bit; in Triton's epilogue, while cuBLAS and
+    DeepGEMM (which hand over float32 sums) write the BF16 gradient, which is then added. "auto" decides it as a
+    written wgrad. ``num_groups``: the gradients of the first
     ``num_groups`` groups only (None: all); one less than the groups of ``m_splits`` leaves out a trailing
     weightless group (``grouped_gemm``), whose rows no backend reads."""
     a, a_scale = _check_act(grad_output, "grad_output", "columnwise")
@@ -412,10 +407,18 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
     rounded = out is not None and out_dtype != torch.float32
-    call = GemmCall.of("wgrad_accumulate" if accumulate else "wgrad", a, b.dtype, m_splits,
+    call = GemmCall.of("wgrad_accumulate" if accumulate and not rounded else "wgrad", a, b.dtype, m_splits,
                        torch.float32 if out is not None and not rounded else out_dtype,
-                       weight_elements=shape[1] * shape[2], out_list=isinstance(out, list), rows=inp.shape[0],
-                       rounded=rounded)
-    result = _run(backend, call, a, "grouped_gemm_wgrad",
-                  lambda impl: impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, out_dtype))
+                       weight_elements=shape[1] * shape[2], out_list=isinstance(out, list) and not rounded,
+                       rows=inp.shape[0])
+
+    def launch(impl: Implementation):
+        if rounded and impl.name in ("cublas", "deepgemm"):  # float32 sums handed over: the BF16 gradient, then out
+            grad = impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, None, False, out_dtype)
+            outs, parts = (out, list(grad.unbind(0))) if isinstance(out, list) else ([out], [grad])
+            (torch._foreach_add_ if accumulate else torch._foreach_copy_)(outs, parts)
+            return out
+        return impl.grouped_gemm_wgrad(a, a_scale, b, b_scale, m_splits, out, accumulate, out_dtype)
+
+    result = _run(backend, call, a, "grouped_gemm_wgrad", launch)
     return result if given is None else given
