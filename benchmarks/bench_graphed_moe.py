@@ -31,7 +31,8 @@ launches by the host per step (a graphed step's kernels come from its two graph 
 Results: ``results_name``: ``bench_graphed_moe`` (``qwen3_moe_like``) or ``bench_graphed_moe_<config>``, then
 ``--suffix`` (e.g. ``_unfused`` beside a fused run). Run on a GPU:
 ``python benchmarks/bench_graphed_moe.py [--config dsv3_ep8_rank] [--experts 32 64] [--tokens 4096]
-[--fuse-wgrad-accumulation] [--suffix _unfused]``. Each (experts, tokens) point runs in a fresh process (``utils.in_fresh_processes``):
+[--fuse-wgrad-accumulation] [--suffix _unfused]``. Each (experts, tokens) point runs in a fresh process
+(``utils.in_fresh_processes``):
 its allocator and compiled kernels its own, as ``bench_moe_layer``'s.
 """
 

@@ -608,6 +608,11 @@ def test_single_grouped_weight_checkpoints_load_both_ways():
         GroupedLinear(3, 128, 256).load_state_dict(one.state_dict())
 
 
+def _flagged(gl):
+    gl.add_wgrad_into_main_grad = True
+    return gl
+
+
 def _with_main_grads(gl, shared=False, dtype=torch.float32):
     """``gl`` with a ``main_grad`` (float32, or ``dtype``) on every weight: one buffer for all when ``shared``."""
     buf = torch.zeros(gl.out_features, gl.in_features, dtype=dtype)
@@ -639,6 +644,8 @@ def _with_main_grads(gl, shared=False, dtype=torch.float32):
          ValueError, "weight0 has none"),
         (lambda: GroupedLinear(2, 128, 128, fuse_wgrad_accumulation=True, single_grouped_weight=True),
          lambda gl: gl(torch.randn(4, 128), [2, 2]), ValueError, "main_grad.*; weight has none"),
+        (lambda: _flagged(GroupedLinear(2, 128, 128)), lambda gl: gl(torch.randn(4, 128), [2, 2]), ValueError,
+         "add_wgrad_into_main_grad=True adds weight gradients into each weight's main_grad .*; weight0 has none"),
         (lambda: GroupedLinear(2, 128, 128, single_grouped_weight="yes"), None, TypeError,
          "single_grouped_weight must be a bool"),
         (lambda: GroupedLinear(2, 128, 128, requantize_in_backward=1), None, TypeError,
@@ -666,7 +673,8 @@ def _with_main_grads(gl, shared=False, dtype=torch.float32):
     ],
     ids=["features", "num-gemms", "params-dtype", "in-features", "recompute-in-features", "sum", "negative", "dtype",
          "groups", "groups-4", "recipe-str", "recipe-not-pow2", "backend", "fuse-not-bool", "fuse-without-main-grad",
-         "single-fuse-without-main-grad", "single-not-bool", "requantize-not-bool", "device", "weight-role-input", "fp32-scales-input",
+         "single-fuse-without-main-grad", "add-wgrad-without-main-grad", "single-not-bool", "requantize-not-bool",
+         "device", "weight-role-input", "fp32-scales-input",
          "bias-str", "cache-flag-str", "transpose-str", "shared-main-grad", "shared-bf16-main-grad", "meta-module"],
 )
 def test_bad_input_is_rejected_clearly(make, call, exc, match):

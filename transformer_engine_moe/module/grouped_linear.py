@@ -437,7 +437,8 @@ class GroupedLinear(nn.Module):
         if self.into_main_grad and torch.is_grad_enabled():
             named = [(name, w) for name, w in self._weight_names() if w.requires_grad]
             for name, w in named:
-                _check_main_grad(name, w)
+                _check_main_grad(name, w, "fuse_wgrad_accumulation" if self.fuse_wgrad_accumulation
+                                 else "add_wgrad_into_main_grad")
             if len(named) > 1 and not torch.compiler.is_compiling():  # addresses: host-side, not traced
                 self._check_main_grads_disjoint(named)
         requantize = self.requantize_in_backward and is_first_microbatch is None
@@ -518,15 +519,15 @@ def check_init_method(init_method, name: str = "init_method") -> None:
                         f"Megatron's config.init_method, torch.nn.init.normal_), got {init_method!r}")
 
 
-def _check_main_grad(name: str, weight: nn.Parameter) -> None:
-    """Under ``fuse_wgrad_accumulation``: ``weight.main_grad`` a plain floating tensor of the weight's shape on its
-    device (float32 as Megatron's DDP allocates it, or BF16/FP16: added after the wgrad GEMM), checked in forward
-    so that a wrong buffer fails here and not in backward."""
+def _check_main_grad(name: str, weight: nn.Parameter, flag: str) -> None:
+    """Under ``flag`` (``fuse_wgrad_accumulation`` or ``add_wgrad_into_main_grad``): ``weight.main_grad`` a plain
+    floating tensor of the weight's shape on its device (float32 as Megatron's DDP allocates it, or BF16/FP16: added
+    after the wgrad GEMM), checked in forward so that a wrong buffer fails here and not in backward."""
     want = (f"a bf16/fp16/fp32 tensor {list(weight.shape)} on {weight.device} (float32 as Megatron's DDP "
             f"allocates it)")
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
-        raise ValueError(f"fuse_wgrad_accumulation=True adds weight gradients into each weight's main_grad ({want}); "
+        raise ValueError(f"{flag}=True adds weight gradients into each weight's main_grad ({want}); "
                          f"{name} has none")
     if not isinstance(main_grad, torch.Tensor) or isinstance(main_grad, Float8BlockwiseQTensor) \
             or main_grad.dtype not in HIGH_PRECISION_DTYPES:
