@@ -32,8 +32,7 @@ Results: ``results_name``: ``bench_graphed_moe`` (``qwen3_moe_like``) or ``bench
 ``--suffix`` (e.g. ``_unfused`` beside a fused run). Run on a GPU:
 ``python benchmarks/bench_graphed_moe.py [--config dsv3_ep8_rank] [--experts 32 64] [--tokens 4096]
 [--fuse-wgrad-accumulation] [--suffix _unfused]``. Each (experts, tokens) point runs in a fresh process
-(``utils.in_fresh_processes``):
-its allocator and compiled kernels its own, as ``bench_moe_layer``'s.
+(``utils.in_fresh_processes``): its allocator and compiled kernels its own, as ``bench_moe_layer``'s.
 """
 
 from __future__ import annotations
