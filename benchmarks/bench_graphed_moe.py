@@ -28,7 +28,7 @@ GPU, ``wall_ms`` until the GPU is done, ``gpu_ms`` kernel time per step (torch p
 launches by the host per step (a graphed step's kernels come from its two graph launches, not counted);
 ``vs_bf16_grouped_mm``: the baseline's ``wall_ms`` over the row's, where this call measured the baseline.
 
-Results: ``results_name``: ``bench_graphed_moe`` (``qwen3_moe_like``) or ``bench_graphed_moe_<config>``, then
+Results (``results_tail``): ``bench_graphed_moe`` (``qwen3_moe_like``) or ``bench_graphed_moe_<config>``, then
 ``--suffix`` (e.g. ``_unfused`` beside a fused run). Run on a GPU:
 ``python benchmarks/bench_graphed_moe.py [--config dsv3_ep8_rank] [--experts 32 64] [--tokens 4096]
 [--fuse-wgrad-accumulation] [--suffix _unfused]``. Each (experts, tokens) point runs in a fresh process
@@ -116,10 +116,10 @@ def measure_point(config: str, experts: int, tokens: int, variants, steps: int, 
     return rows
 
 
-def results_name(config: str, suffix: str = "") -> str:
-    """The results' file stem: ``bench_graphed_moe`` at ``qwen3_moe_like``, else ``bench_graphed_moe_<config>``,
+def results_tail(config: str, suffix: str = "") -> str:
+    """What follows ``bench_graphed_moe`` in the results' name: nothing at ``qwen3_moe_like``, else ``_<config>``;
     then ``suffix``."""
-    return f"bench_graphed_moe{'' if config == 'qwen3_moe_like' else '_' + config}{suffix}"
+    return f"{'' if config == 'qwen3_moe_like' else '_' + config}{suffix}"
 
 
 def main():
@@ -134,7 +134,7 @@ def main():
                         help="wgrad GEMMs add into main_grad (Megatron's --gradient-accumulation-fusion, with TE)")
     parser.add_argument("--variants", nargs="+", choices=[BASELINE, *VARIANTS, *NO_DEEPGEMM],
                         default=[BASELINE, *VARIANTS, *NO_DEEPGEMM])
-    parser.add_argument("--suffix", default="", help="appended to the results' name (results_name)")
+    parser.add_argument("--suffix", default="", help="appended to the results' name (results_tail)")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # one (experts, tokens) point: its rows' JSON here
     args = parser.parse_args()
     c = CONFIGS[args.config]
@@ -153,7 +153,7 @@ def main():
             argv.append("--fuse-wgrad-accumulation")
         rows += utils.in_fresh_processes(argv, 1)[0]
     path = utils.write_results(
-        results_name(args.config, args.suffix),
+        f"bench_graphed_moe{results_tail(args.config, args.suffix)}",
         "Host time vs GPU time of one FP8-Flow MoE layer step, eager and from CUDA graphs",
         {**utils.environment(), "fuse_wgrad_accumulation": args.fuse_wgrad_accumulation}, {}, rows,
         ["config", "experts", "hidden", "ffn", "topk", "tokens", "block", "host_ms", "wall_ms", "gpu_ms", "launches",

@@ -50,6 +50,6 @@ def test_results_name_takes_the_config_then_the_suffix(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     import bench_graphed_moe as bench
 
-    assert bench.results_name("qwen3_moe_like") == "bench_graphed_moe"
-    assert bench.results_name("dsv3_ep8_rank") == "bench_graphed_moe_dsv3_ep8_rank"
-    assert bench.results_name("dsv3_ep8_rank", "_unfused") == "bench_graphed_moe_dsv3_ep8_rank_unfused"
+    assert bench.results_tail("qwen3_moe_like") == ""
+    assert bench.results_tail("dsv3_ep8_rank") == "_dsv3_ep8_rank"
+    assert bench.results_tail("dsv3_ep8_rank", "_unfused") == "_dsv3_ep8_rank_unfused"
