@@ -168,6 +168,29 @@ def test_expert_gradient_accumulation_fusion_flag_parses_and_needs_ddp_main_grad
            "DDP" in capsys.readouterr().err
 
 
+def test_unfused_expert_gradients_are_pointed_at_the_fusion_flag():
+    """--moe-fp8-flow with --no-gradient-accumulation-fusion and without the experts' own fusion flag: one warning
+    naming the flag and what the hook's pass costs; none with either fusion on, without FP8-Flow, or where DDP's
+    main_grad does not exist (Megatron-FSDP, torch FSDP2: the fusion flag is refused there)."""
+    import warnings
+
+    from megatron_patches.arguments import fusion_hint
+
+    valid = dict(moe_fp8_flow=True, fp8="e4m3", fp8_recipe="blockwise", num_experts=4, moe_grouped_gemm=True,
+                 moe_token_dispatcher_type="alltoall", swiglu=True, add_bias_linear=False, recompute_granularity=None,
+                 recompute_modules=None, moe_fp8_flow_gradient_accumulation_fusion=False, use_megatron_fsdp=False,
+                 use_torch_fsdp2=False, gradient_accumulation_fusion=False)
+    with pytest.warns(UserWarning, match=f"--moe-fp8-flow with --no-gradient-accumulation-fusion: .* DDP's hook .*"
+                                         f"{FUSION} adds them in the wgrad GEMMs"):
+        validate_fp8_flow_args(argparse.Namespace(**valid))
+    for change in ({"gradient_accumulation_fusion": True}, {"moe_fp8_flow_gradient_accumulation_fusion": True},
+                   {"use_megatron_fsdp": True}, {"use_torch_fsdp2": True}, {"moe_fp8_flow": False}):
+        assert fusion_hint(argparse.Namespace(**{**valid, **change})) == "", change
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validate_fp8_flow_args(argparse.Namespace(**{**valid, "moe_fp8_flow_gradient_accumulation_fusion": True}))
+
+
 def test_fp8_flow_format_without_fp8_flow_is_refused_on_the_command_line(capsys):
     with pytest.raises(SystemExit):
         parse_args(MODEL + ["--moe-fp8-flow-format", "hybrid"])
