@@ -300,9 +300,10 @@ def test_captures_see_the_weights_through_leaves_of_their_own(single):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["hook", "fused"])
 def test_graphs_put_weight_gradients_into_main_grad_where_every_weight_has_one(fused):
-    """``_into_main_grad`` (the warm-up's and the capture's decision): with the block's wgrad fusion, always; with
-    ``accumulate_into_main_grad`` and a ``main_grad`` on every weight, the linears' ``add_wgrad_into_main_grad`` set
-    (the hook's sums, in the wgrad GEMMs); a weight without one, or the flag off: neither."""
+    """``_into_main_grad`` (the warm-up's decision, which the capture reads from the linears): with the block's
+    wgrad fusion, always; with ``accumulate_into_main_grad`` and a ``main_grad`` on every weight, the linears'
+    ``add_wgrad_into_main_grad`` set (the hook's sums, in the wgrad GEMMs); a weight without one, or the flag off:
+    neither."""
     block = _block(fuse_wgrad_accumulation=fused)
     params = [p for p in block.parameters() if p.requires_grad]
     linears = (block.linear_fc1, block.linear_fc2)

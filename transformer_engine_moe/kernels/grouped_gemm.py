@@ -276,9 +276,8 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     ``dY [M, N]`` and ``X [M, K]`` grouped by ``m_splits``, with block-major scales ``[num_column_blocks, N]``
     and ``[.., K]`` -> ``C [G, N, K]`` in ``out_dtype`` (or written into ``out``, or added to it when
     ``accumulate``, float32, after rounding to ``out_dtype``; ``out`` may also be a list of G float32 ``[N, K]``,
-    anywhere in memory). N and
-    K multiples of the block shape (128). ``m_splits`` may sum to fewer rows than the operands hold: the rows
-    after its G groups (a weightless group) are not read."""
+    anywhere in memory). N and K multiples of the block shape (128). ``m_splits`` may sum to fewer rows than the
+    operands hold: the rows after its G groups (a weightless group) are not read."""
     n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
     sizes, g, _, max_groups = group_sizes_arg(m_splits, a_t.device)
     given = out is not None

@@ -249,7 +249,7 @@ class GraphedFP8FlowMoE:
         (leaves, params), inputs, self._sample = self._leaves(), self._sample, None
         block = self.block
         linears = (block.linear_fc1, block.linear_fc2)
-        main_grad = self._into_main_grad(params)
+        main_grad = linears[0].into_main_grad  # as the warm-up decided (_into_main_grad)
         tables = [t for lin in linears for t in lin.address_tables()]
         weights_graph, forward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with _weight_leaves(block) as weight_leaves:

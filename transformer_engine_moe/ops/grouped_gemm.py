@@ -407,8 +407,7 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
     rounded = out is not None and out_dtype != torch.float32
-    call = GemmCall.of("wgrad_accumulate" if accumulate and not rounded else "wgrad", a, b.dtype, m_splits,
-                       torch.float32 if out is not None and not rounded else out_dtype,
+    call = GemmCall.of("wgrad_accumulate" if accumulate and not rounded else "wgrad", a, b.dtype, m_splits, out_dtype,
                        weight_elements=shape[1] * shape[2], out_list=isinstance(out, list) and not rounded,
                        rows=inp.shape[0])
 

@@ -38,8 +38,8 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
                        out_dtype=torch.float32, config=None):
     """``C_g [N, K] = A_g^T B_g`` over group g's rows of the logical ``A [M, N]``, ``B [M, K]`` given as their
     expert-major columnwise copies (float32 math, then ``out_dtype``), or into ``out``: a ``[G, N, K]``
-    tensor or a list of G ``[N, K]``, float32, written or added (``accumulate``) after rounding to ``out_dtype``. ``m_splits`` may cover only the leading rows (the rest, a weightless
-    group, is not read)."""
+    tensor or a list of G ``[N, K]``, float32, written or added (``accumulate``) after rounding to ``out_dtype``.
+    ``m_splits`` may cover only the leading rows (the rest, a weightless group, is not read)."""
     n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
     ranges = _ranges(m_splits, a_t.numel() // n)
     splits = [hi - lo for lo, hi in ranges]
