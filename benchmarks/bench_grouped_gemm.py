@@ -18,6 +18,9 @@ waits on the host. Ops:
 - ``wgrad_main_grad_reversed``: accumulated into G float32 ``[N, K]`` lying in reverse order in one
   buffer (Megatron's DDP layout of per-expert weights' ``main_grad``s: no ``[G, N, K]`` view, so no
   DeepGEMM); BF16's row adds ``grouped_mm``'s output per expert.
+- ``wgrad_main_grad_rounded``: rounded to BF16, then added into the float32 ``[G, N, K]`` (``out_dtype=bfloat16``:
+  DDP's hook's sums without gradient-accumulation fusion, ``GroupedLinear.add_wgrad_into_main_grad``); BF16's row is
+  ``main_grad += grouped_mm(...)``, as for ``wgrad_main_grad``.
 
 Backends: ``deepgemm`` (when installed; its wgrads also on device-tensor splits where the release takes them,
 ``splits`` = device: the CUDA-graph path's), ``cublas`` (one cuBLAS GEMM per expert, cuBLASLt itself), ``triton``
@@ -87,6 +90,8 @@ def calls(o, backend, device_splits):
         "wgrad_main_grad": lambda: grouped_gemm_wgrad(dyt, xt, s, out=o["acc"], accumulate=True, backend=backend),
         "wgrad_main_grad_reversed": lambda: grouped_gemm_wgrad(dyt, xt, s, out=o["acc_reversed"], accumulate=True,
                                                                backend=backend),
+        "wgrad_main_grad_rounded": lambda: grouped_gemm_wgrad(dyt, xt, s, out=o["acc"], accumulate=True,
+                                                              out_dtype=torch.bfloat16, backend=backend),
     }
 
 
@@ -97,7 +102,8 @@ def bf16_calls(o):
     return {"fprop": lambda: torch._grouped_mm(o["x"], o["wb"].transpose(1, 2), offs=offs),
             "dgrad": lambda: torch._grouped_mm(o["dy"], o["wb"], offs=offs),
             "wgrad": wgrad, "wgrad_fp32": lambda: acc.copy_(wgrad()), "wgrad_main_grad": lambda: acc.add_(wgrad()),
-            "wgrad_main_grad_reversed": lambda: torch._foreach_add_(o["acc_reversed"], list(wgrad().unbind(0)))}
+            "wgrad_main_grad_reversed": lambda: torch._foreach_add_(o["acc_reversed"], list(wgrad().unbind(0))),
+            "wgrad_main_grad_rounded": lambda: acc.add_(wgrad())}
 
 
 def references(o, ops):
@@ -115,8 +121,9 @@ def auto_backend(o, op, n, k, device_splits) -> str:
     """The backend ``backend="auto"`` picks for ``op`` on these operands and splits."""
     wgrad = op.startswith("wgrad")
     a = o["dyt"].columnwise_data if wgrad else (o["xq"] if op == "fprop" else o["dyq"]).rowwise_data
-    out = torch.bfloat16 if op in ("fprop", "dgrad", "wgrad") else torch.float32
-    kind = ("wgrad_accumulate" if op.startswith("wgrad_main_grad") else "wgrad") if wgrad else "fprop"
+    out = torch.bfloat16 if op in ("fprop", "dgrad", "wgrad", "wgrad_main_grad_rounded") else torch.float32
+    kind = ("wgrad_rounded" if op == "wgrad_main_grad_rounded" else "wgrad_accumulate"
+            if op.startswith("wgrad_main_grad") else "wgrad") if wgrad else "fprop"
     call = GemmCall.of(kind, a, torch.float8_e4m3fn, o["st"] if device_splits else o["splits"], out,
                        weight_elements=n * k, out_list=op == "wgrad_main_grad_reversed", n=n if op == "fprop" else k,
                        rows=o["xq"].shape[0])
@@ -192,7 +199,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--ops", nargs="+", default=["fprop", "dgrad", "wgrad", "wgrad_fp32", "wgrad_main_grad",
-                                                     "wgrad_main_grad_reversed"])
+                                                     "wgrad_main_grad_reversed", "wgrad_main_grad_rounded"])
     parser.add_argument("--shape", choices=tuple(SHAPES), default="deepseek_v3", help="the experts' GEMM shapes")
     parser.add_argument("--backends", nargs="+", choices=FP8_BACKENDS + ("bf16",), default=FP8_BACKENDS + ("bf16",))
     parser.add_argument("--sweep", action="store_true", help="also sweep the Triton fprop kernel's launch shapes")

@@ -43,9 +43,11 @@ def test_bench_grouped_gemm_names_the_backend_auto_picks(monkeypatch):
     import bench_grouped_gemm as bench
 
     o = bench.operands(2, 256, 128, 128, device="cpu")
-    ops = ("fprop", "dgrad", "wgrad", "wgrad_fp32", "wgrad_main_grad", "wgrad_main_grad_reversed")
+    ops = ("fprop", "dgrad", "wgrad", "wgrad_fp32", "wgrad_main_grad", "wgrad_main_grad_reversed",
+           "wgrad_main_grad_rounded")
     assert [bench.auto_backend(o, op, 128, 128, on_device) for op in ops for on_device in (False, True)] == (
-        ["reference"] * 12)
+        ["reference"] * 14)
+    assert set(bench.calls(o, "reference", False)) == set(bench.bf16_calls(o)) == set(ops)
     from transformer_engine_moe.kernels import grouped_gemm_deepgemm as dg
 
     device_wgrad = [("deepgemm", True)] if dg._module() is not None and dg.device_splits_wgrad() else []

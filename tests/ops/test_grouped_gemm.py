@@ -149,8 +149,8 @@ def test_wgrad_rounded_to_bf16_is_what_adding_a_bf16_grad_gives(backend, splits,
 @pytest.mark.parametrize("as_list", [False, True], ids=["one-buffer", "list"])
 def test_rounded_wgrad_on_a_library_is_the_bf16_gradient_then_added(monkeypatch, library, as_list):
     """cuBLAS and DeepGEMM hand over float32 sums: there a wgrad rounded to BF16 into ``out`` is the BF16 gradient
-    written by the library, then added, the same bits as the reference's rounding; "auto" decides it as a written
-    wgrad (``GemmCall`` kind "wgrad", BF16 out: DeepGEMM from 8192 rows per expert, ``deepgemm_pays``). The library
+    written by the library, then added, the same bits as the reference's rounding; "auto" decides it as a call of its
+    own (``GemmCall`` kind "wgrad_rounded": cuBLAS and DeepGEMM from 8192 rows per expert, Triton below). The library
     stands in as the reference under its name (CPU)."""
     import importlib
 
@@ -180,7 +180,7 @@ def test_rounded_wgrad_on_a_library_is_the_bf16_gradient_then_added(monkeypatch,
     assert grouped_gemm_wgrad(dy, x, splits, out=out, accumulate=True, out_dtype=torch.bfloat16) is out
     assert torch.equal((torch.stack(out) if as_list else got).view(torch.int32), want.view(torch.int32))
     assert seen == [(None, False, torch.bfloat16)]
-    assert (calls[0].kind, calls[0].out_dtype, calls[0].out_list) == ("wgrad", torch.bfloat16, False)
+    assert (calls[0].kind, calls[0].out_dtype, calls[0].out_list) == ("wgrad_rounded", torch.bfloat16, False)
 
 
 def test_wgrad_list_out_is_checked():
@@ -489,6 +489,18 @@ def test_auto_policy_per_shape(monkeypatch, deepgemm):
     assert pick("wgrad", [16384] * 8, V3_FC1, rows=131072) == "cublas"
     assert pick("wgrad", [16384] * 8, V3_FC1, rows=131072, cublaslt=False) == dg_or("triton")
     assert pick("wgrad", [4096] * 32, V3_FC1, rows=131072, cublaslt=False) == "triton"
+    # rounded to BF16 into main_grad (DDP's hook's sums): cuBLAS and DeepGEMM write the gradient, which is then added
+    # in a pass of its own, so they pay from 8192 rows per expert; below, Triton rounds and adds in its epilogue
+    for sizes in ([1024] * 128, [2048] * 64, [4096] * 32):
+        for weight in (V3_FC1, V3_FC2):
+            assert pick("wgrad_rounded", sizes, weight, rows=131072) == "triton"
+            assert pick("wgrad_rounded", torch.tensor(sizes), weight, rows=131072) == "triton"
+    for sizes in ([8192] * 16, [16384] * 8):
+        assert pick("wgrad_rounded", sizes, V3_FC1, rows=131072) == "cublas"
+        assert pick("wgrad_rounded", sizes, V3_FC1, rows=131072, cublaslt=False) == dg_or("triton")
+        monkeypatch.setattr(grouped_gemm_deepgemm, "device_splits_wgrad", lambda: True)
+        assert pick("wgrad_rounded", torch.tensor(sizes), V3_FC1, rows=131072) == dg_or("triton")
+    assert pick("wgrad_rounded", [16384] * 8, V3_FC1, rows=131072, out_list=True) == "cublas"
     assert auto_backend(GemmCall("fprop", E4M3, E4M3, QWEN_SPLITS, bf16, QWEN_FC1, cuda=False)) is None
 
 

@@ -63,8 +63,11 @@ GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "gluon", "triton", "reference")
 # Gluon's fprop/dgrad before Triton's: 1004-1013 TFLOP/s against 789-791 at DeepSeek-V3's 7168 -> 4096, 850 against
 # 711 at 2048 -> 7168, 830 / 551 against 689 / 500 at Qwen3's 2048 -> 1536 / 768 -> 2048 (H200, same call; DeepGEMM
 # 1058-1211 in it, docs/grouped_gemm.md).
+# A wgrad rounded to BF16 into ``out`` ("wgrad_rounded": DDP's hook's sums, ``GroupedLinear.add_wgrad_into_main_grad``):
+# Triton rounds and adds in its epilogue, where cuBLAS and DeepGEMM write the BF16 gradient and it is then added, a
+# pass over ``main_grad``; so cuBLAS needs larger experts there (``CUBLAS_MIN_MEAN_ROWS``).
 AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "gluon", "triton"), "wgrad": ("cublas", "deepgemm", "triton"),
-              "wgrad_accumulate": ("cublas", "deepgemm", "triton")}
+              "wgrad_accumulate": ("cublas", "deepgemm", "triton"), "wgrad_rounded": ("cublas", "deepgemm", "triton")}
 # A written wgrad on DeepGEMM (a zeroed float32 [G, N, K] accumulated, then cast: 4 bytes per weight element for
 # the call) pays only for large experts. Device splits (the CUDA-graph path, where cuBLAS cannot run), H200
 # 2026-11-28, TFLOP/s (fc1 / fc2): 583 / 587 against Triton's 624 / 622 at 2048 rows per expert, 729 / 714 against
@@ -78,7 +81,10 @@ DEEPGEMM_WRITTEN_MIN_MEAN_ROWS = 8192
 # of GPU work). A BF16 wgrad at 512 rows still pays: 601/451 TFLOP/s (fc1/fc2) against Triton's 380/374,
 # and the EP=2 block (128 experts of ~512 rows, DeepGEMM fprop/dgrad) went from 45.7 to 39.0 ms on H200s;
 # so does one added into float32 (H100: 265 / 266 against Triton's 236 / 242 and DeepGEMM's 219 / 221).
-CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_accumulate": 512}
+# A rounded wgrad added into main_grad, host splits (H200, 2026-11-28, TFLOP/s fc1 / fc2): Triton's epilogue 422 / 425
+# against cuBLAS written then added 336 / 334 at 1024 rows, 590 / 580 against 492 / 476 at 2048, 696 / 617 against
+# 635 / 627 at 4096; cuBLAS 835 / 800 against 692 / 648 at 16384 (docs/grouped_gemm.md).
+CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_accumulate": 512, "wgrad_rounded": 8192}
 # Those rows were measured on DeepSeek-V3's smaller expert weight (fc2, 2048 x 7168 elements). A smaller
 # weight is less GPU time per launch, so cuBLAS also needs that many multiply-adds per expert: Megatron's
 # deepseek_small (weights 2048 x 2048 and 1024 x 2048, 512 rows per expert, EP=1, one H200) ran host-bound
@@ -87,11 +93,12 @@ CUBLAS_MIN_WEIGHT = 2048 * 7168
 
 
 def deepgemm_pays(call: "GemmCall") -> bool:
-    """Whether "auto" may take DeepGEMM for ``call``: always but for a written wgrad, there where the experts
-    average ``DEEPGEMM_WRITTEN_MIN_MEAN_ROWS`` rows (``call.rows`` over the groups: known on the host for device
-    splits too)."""
+    """Whether "auto" may take DeepGEMM for ``call``: always but for a written (or rounded) wgrad, there where the
+    experts average ``DEEPGEMM_WRITTEN_MIN_MEAN_ROWS`` rows (``call.rows`` over the groups: known on the host for
+    device splits too)."""
     groups = len(call.m_splits)
-    return call.kind != "wgrad" or groups > 0 and call.rows >= DEEPGEMM_WRITTEN_MIN_MEAN_ROWS * groups
+    return call.kind == "fprop" or call.kind == "wgrad_accumulate" or (
+        groups > 0 and call.rows >= DEEPGEMM_WRITTEN_MIN_MEAN_ROWS * groups)
 
 
 def cublas_pays(kind: str, m_splits: list, weight_elements: int) -> bool:
@@ -107,12 +114,12 @@ def cublas_pays(kind: str, m_splits: list, weight_elements: int) -> bool:
 class GemmCall:
     """What decides the backend of one grouped GEMM call (``why_not``, ``auto_backend``), as plain values: the rule
     runs, and is tested, without a GPU. ``kind``: an ``AUTO_ORDER`` key ("fprop" for fprop and dgrad, "wgrad"
-    written, "wgrad_accumulate" added into float32 ``out``); the operands' FP8 dtypes (the first: X, dY or dY^T);
-    ``m_splits`` (host list or device tensor); the output dtype; ``weight_elements``: N x K of one expert's weight
-    (``cublas_pays``); ``out_list``: a wgrad's ``out`` is G separate tensors; ``cuda``: the operands are on a GPU,
-    where ``deepgemm`` (importable, Hopper), ``cublaslt`` (>= 12.9, Hopper) and ``gluon`` (Hopper, Triton 3.6) can
-    run or not; ``n``: the output's columns (the Gluon kernel's tiles are 256 wide); ``rows``: M, the rows the
-    splits divide (``deepgemm_pays``)."""
+    written, "wgrad_accumulate" added into float32 ``out``, "wgrad_rounded" rounded to BF16 into it); the operands'
+    FP8 dtypes (the first: X, dY or dY^T); ``m_splits`` (host list or device tensor); the output dtype;
+    ``weight_elements``: N x K of one expert's weight (``cublas_pays``); ``out_list``: a wgrad's ``out`` is G separate
+    tensors; ``cuda``: the operands are on a GPU, where ``deepgemm`` (importable, Hopper), ``cublaslt`` (>= 12.9,
+    Hopper) and ``gluon`` (Hopper, Triton 3.6) can run or not; ``n``: the output's columns (the Gluon kernel's tiles
+    are 256 wide); ``rows``: M, the rows the splits divide (``deepgemm_pays``)."""
 
     kind: str
     a_dtype: torch.dtype
@@ -378,10 +385,10 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
     ``out_dtype`` (FP32 accumulation, one rounding at the end). With ``out`` and ``out_dtype`` BF16, each sum is
     rounded to BF16 before it is written or added: what writing or adding a BF16 gradient into ``out`` gives
     (Megatron DDP's hook without gradient-accumulation fusion), bit for bit; in Triton's epilogue, while cuBLAS and
-    DeepGEMM (which hand over float32 sums) write the BF16 gradient, which is then added. "auto" decides it as a
-    written wgrad. ``num_groups``: the gradients of the first
-    ``num_groups`` groups only (None: all); one less than the groups of ``m_splits`` leaves out a trailing
-    weightless group (``grouped_gemm``), whose rows no backend reads."""
+    DeepGEMM (which hand over float32 sums) write the BF16 gradient, which is then added ("auto": ``AUTO_ORDER``'s
+    "wgrad_rounded"). ``num_groups``: the gradients of the first ``num_groups`` groups only (None: all); one less
+    than the groups of ``m_splits`` leaves out a trailing weightless group (``grouped_gemm``), whose rows no backend
+    reads."""
     a, a_scale = _check_act(grad_output, "grad_output", "columnwise")
     b, b_scale = _check_act(inp, "inp", "columnwise")
     if grad_output.shape[0] != inp.shape[0]:
@@ -407,7 +414,8 @@ def grouped_gemm_wgrad(grad_output: Float8BlockwiseQTensor, inp: Float8Blockwise
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise TypeError(f"out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
     rounded = out is not None and out_dtype != torch.float32
-    call = GemmCall.of("wgrad_accumulate" if accumulate and not rounded else "wgrad", a, b.dtype, m_splits, out_dtype,
+    kind = "wgrad_rounded" if rounded else "wgrad_accumulate" if accumulate else "wgrad"
+    call = GemmCall.of(kind, a, b.dtype, m_splits, out_dtype,
                        weight_elements=shape[1] * shape[2], out_list=isinstance(out, list) and not rounded,
                        rows=inp.shape[0])
 
