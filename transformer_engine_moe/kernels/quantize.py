@@ -31,9 +31,10 @@ COLWISE_CONFIG = (64, 4)  # (BLOCK_K, num_warps) of the 128x1 kernel: 69% of cop
 GROUPED_WEIGHT_WARPS = 8  # quantize_grouped_weight, W only, aligned weights: 97-99% of copy on an H200 (4 warps: 78)
 # quantize_grouped_weight writing W and W^T from one launch (16-bit weights): 92-93% of copy on an H100 with
 # 4 warps (8: 79-81%, 16: 84-85%): 14-16% less time than W then the byte transpose, DeepSeek-V3 expert shapes
-# at 64 and 128 experts (2026-11-23; benchmarks/bench_quantize_grouped_weight.py). With float32 weights the
-# same kernel wrote wrong bytes under Triton 3.6 (also transposing the codes or the scaled tile), so float32
-# weights take the two launches.
+# at 64 and 128 experts (2026-11-23; benchmarks/bench_quantize_grouped_weight.py). On an H200 4 warps stay ahead:
+# 3.30 TB/s at 128 experts (78% of copy) against 2.59 (8) and 2.76 (16) (2026-11-28, a scratch sweep). With float32
+# weights the same kernel wrote wrong bytes under Triton 3.6 (also transposing the codes or the scaled tile; the
+# codes' transpose was wrong with BF16 weights too, and slower), so float32 weights take the two launches.
 FUSED_WEIGHT_WARPS = 4
 
 

@@ -81,9 +81,10 @@ DEEPGEMM_WRITTEN_MIN_MEAN_ROWS = 8192
 # of GPU work). A BF16 wgrad at 512 rows still pays: 601/451 TFLOP/s (fc1/fc2) against Triton's 380/374,
 # and the EP=2 block (128 experts of ~512 rows, DeepGEMM fprop/dgrad) went from 45.7 to 39.0 ms on H200s;
 # so does one added into float32 (H100: 265 / 266 against Triton's 236 / 242 and DeepGEMM's 219 / 221).
-# A rounded wgrad added into main_grad, host splits (H200, 2026-11-28, TFLOP/s fc1 / fc2): Triton's epilogue 422 / 425
-# against cuBLAS written then added 336 / 334 at 1024 rows, 590 / 580 against 492 / 476 at 2048, 696 / 617 against
-# 635 / 627 at 4096; cuBLAS 835 / 800 against 692 / 648 at 16384 (docs/grouped_gemm.md).
+# A rounded wgrad added into main_grad (H200, 2026-11-28, bench_grouped_gemm_rounded_h200.md, TFLOP/s fc1 / fc2):
+# Triton's epilogue 435 / 434 against cuBLAS written then added 349 / 346 at 1024 rows, 588 / 578 against 512 / 510
+# at 2048; level at 4096 (683 / 601 against 668 / 669; another call 696 / 617 against 635 / 627), where Triton needs
+# no BF16 [G, N, K] gradient beside main_grad; cuBLAS 778 / 779 against 647 / 618 at 8192, 846 / 837 at 16384.
 CUBLAS_MIN_MEAN_ROWS = {"fprop": 2048, "wgrad": 512, "wgrad_accumulate": 512, "wgrad_rounded": 8192}
 # Those rows were measured on DeepSeek-V3's smaller expert weight (fc2, 2048 x 7168 elements). A smaller
 # weight is less GPU time per launch, so cuBLAS also needs that many multiply-adds per expert: Megatron's
