@@ -70,7 +70,8 @@ def make_step(name: str, experts: int, hidden: int, ffn: int, topk: int, tokens:
         "fp8_flow_single_weight" if name == BASELINE else NO_DEEPGEMM.get(name, name)]
     torch.manual_seed(0)
     block = FP8FlowMoE(experts, hidden, ffn, topk, device=device, device_splits=device_splits,
-                       single_grouped_weight=single, fuse_wgrad_accumulation=fuse, recompute=recompute)
+                       single_grouped_weight=single, fuse_wgrad_accumulation=fuse, recompute=recompute,
+                       accumulate_into_main_grad=True)  # as Megatron builds it (megatron_patches/experts.py)
     if name == BASELINE:
         block = BF16GroupedMMBlock.from_block(block)
     utils.ddp_main_grad_hooks(block)

@@ -140,6 +140,9 @@ def _fp8_flow_block(module, config, pg_collection, ep_size: int, device=None,
         fuse_wgrad_accumulation=config.gradient_accumulation_fusion or config.moe_fp8_flow_gradient_accumulation_fusion,
         single_grouped_weight=config.moe_fp8_flow_single_grouped_weight,
         device_splits=config.moe_fp8_flow_cuda_graph,  # the path a CUDA graph replays (EP=1)
+        # without fusion: DDP's hook's sums (each gradient rounded to the weights' dtype) added in the wgrad GEMMs,
+        # where the weights have DDP's main_grad (FP8FlowMoE.into_main_grad); .grad elsewhere
+        accumulate_into_main_grad=True,
     )
 
 

@@ -133,7 +133,8 @@ def test_block_follows_gradient_accumulation_fusion(world_of_one, megatron, expe
     """Megatron's ``gradient_accumulation_fusion`` (for all its linears; TE's grouped experts take it as
     ``fuse_wgrad_accumulation``) or ``--moe-fp8-flow-gradient-accumulation-fusion`` (the experts alone, Megatron's
     flag off: parsed, then copied into the config as Megatron-LM copies its flags) reaches both GroupedLinears:
-    with either, wgrad goes into the ``main_grad`` Megatron's DDP attaches."""
+    with either, wgrad goes into the ``main_grad`` Megatron's DDP attaches as float32 sums; without, rounded to the
+    weights' dtype first (``accumulate_into_main_grad``: the sums DDP's hook would add from ``.grad``)."""
     import argparse
 
     from megatron_patches.arguments import add_fp8_flow_args
@@ -153,8 +154,9 @@ def test_block_follows_gradient_accumulation_fusion(world_of_one, megatron, expe
     x = torch.randn(64, 128, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     ids = torch.rand(64, 4, device=DEVICE).argsort(dim=1)[:, :2]
     block.forward_topk(x, ids, torch.rand(64, 2, device=DEVICE)).sum().backward()
-    assert all(bool(w.main_grad.abs().sum() > 0) is fusion for w in weights)
-    assert all(getattr(w, "grad_added_to_main_grad", False) is fusion for w in weights)
+    assert all(bool(w.main_grad.abs().sum() > 0) for w in weights)
+    assert all(getattr(w, "grad_added_to_main_grad", False) for w in weights)
+    assert all(lin.add_wgrad_into_main_grad is not fusion for lin in (block.linear_fc1, block.linear_fc2))
 
 
 def test_spec_unchanged_without_fp8_flow(world_of_one):
@@ -257,7 +259,9 @@ def test_ddp_main_grad_fusion_writes_expert_wgrads_in_place(world_of_one, monkey
     ``gradient_accumulation_fusion`` stays off) the expert wgrads go straight into Megatron DDP's grad buffer:
     per-expert weights, which DDP lays out in reverse order, through a list of their main_grads, a single
     grouped weight as one [G, N, K]. The main_grads equal, bit for bit (on the GPU: within run-to-run
-    atomics), those of the same step without the fusion (autograd's .grad, added by DDP's hooks)."""
+    atomics), those of the same step without the fusion: autograd's .grad, added by DDP's hooks (the block's
+    ``accumulate_into_main_grad`` off), or each gradient rounded to the weights' dtype and added in the wgrad GEMMs
+    (on, as the patch builds the block: the same sums)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     import transformer_engine_moe.module.grouped_linear as grouped_linear
@@ -267,31 +271,37 @@ def test_ddp_main_grad_fusion_writes_expert_wgrads_in_place(world_of_one, monkey
     monkeypatch.setattr(grouped_linear, "grouped_gemm_wgrad",
                         lambda *a, **kw: (outs.append(type(kw.get("out"))), real(*a, **kw))[1])
     grads = []
-    for fuse in (False, True):
+    for mode in ("hook", "rounded", "fused"):  # .grad added by DDP's hook; the hook's sums added in the GEMMs; fused
+        fuse = mode == "fused"
         torch.manual_seed(0)
         config = _config(recompute_modules=None, recompute_granularity=None, hidden_dropout=0.0,
                          attention_dropout=0.0, moe_fp8_flow_single_grouped_weight=single,  # no dropout masks
                          moe_fp8_flow_gradient_accumulation_fusion=fuse)
         assert not config.gradient_accumulation_fusion
         model = _model(config, build_fp8_flow_block)
+        for layer in model.decoder.layers:
+            assert layer.mlp.experts.accumulate_into_main_grad  # as the patch builds it
+            layer.mlp.experts.accumulate_into_main_grad = mode != "hook"
         linears = [lin for layer in model.decoder.layers for lin in (layer.mlp.experts.linear_fc1,
                                                                      layer.mlp.experts.linear_fc2)]
         for lin in linears:
             assert lin.fuse_wgrad_accumulation is fuse
-            if CUDA:  # one GEMM backend for both runs (auto could take DeepGEMM for one [G, N, K] main_grad only)
+            if CUDA:  # one GEMM backend for every run (auto could take DeepGEMM for one [G, N, K] main_grad only)
                 lin.backend = "triton"
         ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
         tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1)).to(DEVICE)
         outs.clear()
         ddp(tokens, torch.arange(32, device=DEVICE).expand(2, -1), None, labels=tokens).mean().backward()
-        assert outs == ([torch.Tensor if single else list] if fuse else [type(None)]) * len(linears)
+        assert outs == [type(None) if mode == "hook" else torch.Tensor if single else list] * len(linears)
+        assert all(lin.add_wgrad_into_main_grad is (mode == "rounded") for lin in linears)
         grads.append([w.main_grad.clone() for lin in linears for w in lin.weight_params])
     assert all(g.abs().sum() > 0 for g in grads[0])
-    if CUDA:  # atomics upstream (Megatron's and the unpermute's backward) order sums differently run to run
-        errors = [((a - b).norm() / b.norm()).item() for a, b in zip(*grads)]
-        assert max(errors) < 1e-2, errors
-    else:
-        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    for other in grads[1:]:
+        if CUDA:  # atomics upstream (Megatron's and the unpermute's backward) order sums differently run to run
+            errors = [((a - b).norm() / b.norm()).item() for a, b in zip(grads[0], other)]
+            assert max(errors) < 1e-2, errors
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(grads[0], other))
 
 
 @requires_cuda

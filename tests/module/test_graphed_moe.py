@@ -299,20 +299,23 @@ def test_captures_see_the_weights_through_leaves_of_their_own(single):
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["hook", "fused"])
-def test_graphs_put_weight_gradients_into_main_grad_where_every_weight_has_one(fused):
-    """``_into_main_grad`` (the warm-up's decision, which the capture reads from the linears): with the block's
-    wgrad fusion, always; with ``accumulate_into_main_grad`` and a ``main_grad`` on every weight, the linears'
-    ``add_wgrad_into_main_grad`` set (the hook's sums, in the wgrad GEMMs); a weight without one, or the flag off:
-    neither."""
+def test_weight_gradients_go_into_main_grad_where_every_weight_has_ddps(fused):
+    """``FP8FlowMoE.into_main_grad`` (the warm-up's decision, which the capture reads from the linears; the eager
+    block's at each training forward with ``accumulate_into_main_grad``): with the block's wgrad fusion, always;
+    wanted, with a ``main_grad`` on every weight, the linears' ``add_wgrad_into_main_grad`` set (the hook's sums, in
+    the wgrad GEMMs); a weight without one, a Megatron-FSDP weight (``get_main_grad``: its own hook makes
+    ``main_grad`` and copies ``.grad`` into it), or not wanted: neither."""
     block = _block(fuse_wgrad_accumulation=fused)
     params = [p for p in block.parameters() if p.requires_grad]
     linears = (block.linear_fc1, block.linear_fc2)
-    for accumulate in (True, False):
-        graphed = GraphedFP8FlowMoE(block, accumulate_into_main_grad=accumulate)
-        for p in params:
-            p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-        assert graphed._into_main_grad(params) == (fused or accumulate)
-        assert all(lin.add_wgrad_into_main_grad == (accumulate and not fused) for lin in linears)
-        del params[-1].main_grad
-        assert graphed._into_main_grad(params) == fused
-        assert not any(lin.add_wgrad_into_main_grad for lin in linears)
+    for p in params:
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+    for wanted in (True, False):
+        assert block.into_main_grad(wanted) == (fused or wanted)
+        assert all(lin.add_wgrad_into_main_grad == (wanted and not fused) for lin in linears)
+    params[0].get_main_grad = lambda: params[0].main_grad
+    assert block.into_main_grad(True) == fused and not any(lin.add_wgrad_into_main_grad for lin in linears)
+    del params[0].get_main_grad
+    assert block.into_main_grad(True) and all(lin.add_wgrad_into_main_grad == (not fused) for lin in linears)
+    del params[-1].main_grad
+    assert block.into_main_grad(True) == fused and not any(lin.add_wgrad_into_main_grad for lin in linears)

@@ -15,6 +15,7 @@ from baselines import BF16LoopMoE
 from conftest import assert_no_host_sync, free_port, requires_cuda
 from transformer_engine_moe import quantize_blockwise
 from transformer_engine_moe.module import FP8FlowMoE
+import utils
 from utils import saved_activation_bytes
 
 T, H, FFN, E, K = 96, 256, 128, 4, 2
@@ -479,13 +480,46 @@ def test_bad_forward_arguments_are_named(case):
         call(block)
 
 
+@pytest.mark.parametrize("single", [False, True], ids=["per-expert", "single-weight"])
+def test_accumulate_into_main_grad_adds_what_ddps_hook_adds(single):
+    """``accumulate_into_main_grad`` under Megatron DDP's contract (``utils.ddp_main_grad_hooks``: a float32
+    ``main_grad`` and the hook adding ``.grad``): the wgrad GEMMs add each gradient rounded to BF16 into
+    ``main_grad`` and the hook adds nothing, the same bits over micro-batches as the unflagged block whose BF16
+    ``.grad`` the hook adds, ``main_grad`` starting with NaN, infinities, signed zeros and subnormals. Evaluation and
+    weights without a ``main_grad`` leave the linears' flag unset: ``.grad`` as without the flag."""
+    kw = dict(align_size=128, single_grouped_weight=single)
+    torch.manual_seed(0)
+    hooked, flagged = FP8FlowMoE(E, H, FFN, K, **kw), FP8FlowMoE(E, H, FFN, K, accumulate_into_main_grad=True, **kw)
+    flagged.load_state_dict(hooked.state_dict())
+    plain, want = step(flagged, *batch(1)), step(hooked, *batch(1))  # no main_grad: .grad, as unflagged
+    assert not flagged.linear_fc1.add_wgrad_into_main_grad
+    assert all(torch.equal(u, v) for u, v in zip(plain[3] + plain[4], want[3] + want[4]))
+    for model in (hooked, flagged):
+        utils.ddp_main_grad_hooks(model)
+        for p in model.parameters():
+            p.main_grad.view(-1)[:5] = torch.tensor([float("nan"), float("inf"), -0.0, 1e-40, -float("inf")])
+    for seed in (2, 3):  # two micro-batches
+        a, b = step(hooked, *batch(seed), seed=seed), step(flagged, *batch(seed), seed=seed)
+        assert all(torch.equal(u, v) for u, v in zip(a[:3], b[:3]))
+    assert flagged.linear_fc1.add_wgrad_into_main_grad and flagged.linear_fc2.add_wgrad_into_main_grad
+    assert all(p.grad_added_to_main_grad and p.grad is None for p in flagged.parameters())
+    for p, q in zip(hooked.parameters(), flagged.parameters()):
+        assert torch.equal(p.main_grad.view(torch.int32), q.main_grad.view(torch.int32))
+    fresh = FP8FlowMoE(E, H, FFN, K, accumulate_into_main_grad=True, **kw).eval()
+    utils.ddp_main_grad_hooks(fresh)
+    fresh.forward_topk(*batch(4))
+    assert not fresh.linear_fc1.add_wgrad_into_main_grad  # not a training forward: undecided
+
+
 @pytest.mark.parametrize("kw, exc, match", [
     (dict(ep_group="world"), TypeError, "ep_group must be None or a torch.distributed.ProcessGroup .* got str"),
     (dict(init_method=0.02), TypeError, "init_method must be None or a callable .* got 0.02"),
     (dict(output_init_method=0.02), TypeError, "output_init_method must be None or a callable .* got 0.02"),
     (dict(num_experts=0), ValueError, "num_experts must be a positive int, got 0"),
     (dict(topk=True), ValueError, r"topk must be an int in \[1, num_experts=4\], got True"),
-], ids=["ep-group", "init-method", "output-init-method", "num-experts", "topk-bool"])
+    (dict(accumulate_into_main_grad=1), TypeError, r"accumulate_into_main_grad must be a bool \(True or False\), "
+                                                   "got 1"),
+], ids=["ep-group", "init-method", "output-init-method", "num-experts", "topk-bool", "accumulate-into-main-grad"])
 def test_bad_construction_arguments_are_named(kw, exc, match):
     args = dict(num_experts=E, hidden_size=H, ffn_hidden_size=FFN, topk=K) | kw
     with pytest.raises(exc, match=match):

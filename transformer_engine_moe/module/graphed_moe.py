@@ -152,7 +152,8 @@ class GraphedFP8FlowMoE:
         pool: the ``GraphPool`` its graphs allocate from; share one between blocks run in one order (default:
             a pool of its own).
         accumulate_into_main_grad: add the weight gradients into the weights' ``main_grad`` inside the backward
-            graph where every weight has one at capture (Megatron's DDP), as DDP's hook would add ``.grad``.
+            graph where every weight has one at capture (Megatron's DDP), as DDP's hook would add ``.grad``
+            (``FP8FlowMoE.into_main_grad``; the block's own ``accumulate_into_main_grad`` does the same).
     """
 
     def __init__(self, block: FP8FlowMoE, pool: Optional[GraphPool] = None, accumulate_into_main_grad: bool = False):
@@ -218,22 +219,10 @@ class GraphedFP8FlowMoE:
         leaves = (inputs[0].data.requires_grad_(), inputs[1].data.requires_grad_(), inputs[2].data)
         return leaves, [p for p in self.block.parameters() if p.requires_grad]
 
-    def _into_main_grad(self, params) -> bool:
-        """Whether the graphs put the weight gradients into ``main_grad``: the block's wgrad fusion, or
-        ``accumulate_into_main_grad`` with a ``main_grad`` on every weight, where the linears then add each gradient
-        in the weights' dtype themselves (``GroupedLinear.add_wgrad_into_main_grad``: DDP's hook's sums, in the wgrad
-        GEMM's epilogue). Sets that flag."""
-        linears = (self.block.linear_fc1, self.block.linear_fc2)
-        adds = not linears[0].fuse_wgrad_accumulation and self.accumulate_into_main_grad and bool(params) and all(
-            getattr(p, "main_grad", None) is not None for p in params)
-        for lin in linears:
-            lin.add_wgrad_into_main_grad = adds
-        return linears[0].into_main_grad
-
     def _warm_up(self) -> None:
         """Two eager steps on a side stream, on the first call's inputs."""
         leaves, params = self._leaves()
-        self._into_main_grad(params)
+        self.block.into_main_grad(self.accumulate_into_main_grad or self.block.accumulate_into_main_grad)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -249,7 +238,7 @@ class GraphedFP8FlowMoE:
         (leaves, params), inputs, self._sample = self._leaves(), self._sample, None
         block = self.block
         linears = (block.linear_fc1, block.linear_fc2)
-        main_grad = linears[0].into_main_grad  # as the warm-up decided (_into_main_grad)
+        main_grad = linears[0].into_main_grad  # as the warm-up decided (FP8FlowMoE.into_main_grad)
         tables = [t for lin in linears for t in lin.address_tables()]
         weights_graph, forward_graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
         with _weight_leaves(block) as weight_leaves:

@@ -53,7 +53,7 @@ from ..ops.permute import (
     topk_to_routing_map,
 )
 from ..ops.swiglu import weighted_swiglu_quant
-from ..recipe import HIGH_PRECISION_DTYPES, FP8FlowRecipe, Role
+from ..recipe import HIGH_PRECISION_DTYPES, FP8FlowRecipe, Role, check_bool
 from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from .grouped_linear import GroupedLinear, check_init_method, check_is_first_microbatch
 
@@ -83,6 +83,11 @@ class FP8FlowMoE(nn.Module):
             ``main_grad`` (Megatron's ``gradient_accumulation_fusion``, as TE's grouped experts take it).
         single_grouped_weight: each ``GroupedLinear`` holds one ``weight`` ``[E_local, N, K]`` parameter
             (TE's option of that name): less host work per backward than one parameter per expert.
+        accumulate_into_main_grad: without ``fuse_wgrad_accumulation``, where at a training forward every weight
+            has a ``main_grad`` of Megatron DDP's (and no Megatron-FSDP ``get_main_grad``), add each weight
+            gradient rounded to the weights' dtype into it in the wgrad GEMMs (``GroupedLinear.
+            add_wgrad_into_main_grad``): what DDP's hook adds from ``.grad``, bit for bit, without the ``.grad``
+            buffer and the hook's pass over it; elsewhere ``.grad`` as without the flag. Default False.
     Parameters: ``linear_fc1.weight{i}`` ``[2F, H]`` (gate rows first, then up) and ``linear_fc2.weight{i}``
     ``[H, F]`` per local expert, as Megatron's TE grouped experts name them (or ``linear_fc1.weight``
     ``[E_local, 2F, H]`` and ``linear_fc2.weight`` with ``single_grouped_weight``).
@@ -93,7 +98,7 @@ class FP8FlowMoE(nn.Module):
                  recipe: Optional[FP8FlowRecipe] = None, recompute: Optional[str] = None, align_size: int = 128,
                  params_dtype=torch.bfloat16, device=None, gemm_backend: str = "auto", init_method=None,
                  output_init_method=None, device_splits: bool = False, fuse_wgrad_accumulation: bool = False,
-                 single_grouped_weight: bool = False):
+                 single_grouped_weight: bool = False, accumulate_into_main_grad: bool = False):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be None or 'moe_expert', got {recompute!r}")
@@ -119,6 +124,8 @@ class FP8FlowMoE(nn.Module):
             raise ValueError(f"device_splits=True needs the 'local' dispatcher, got {name!r}: all-to-all and "
                              "DeepEP size their receive buffers from host counts")
         self.device_splits = device_splits
+        check_bool(accumulate_into_main_grad, "accumulate_into_main_grad")
+        self.accumulate_into_main_grad = accumulate_into_main_grad
         self.dispatcher = get_dispatcher(name, ep_group, num_experts=num_experts,
                                          **({"host_counts": not device_splits, "align_size": align_size}
                                             if name == "local" else {"recipe": self.recipe}))
@@ -131,6 +138,20 @@ class FP8FlowMoE(nn.Module):
         self.linear_fc2 = GroupedLinear(self.num_local_experts, ffn_hidden_size, hidden_size,
                                         init_method=init_method if output_init_method is None else output_init_method,
                                         **common)
+
+    def into_main_grad(self, wanted: bool) -> bool:
+        """Whether the wgrad GEMMs put the weight gradients into ``main_grad``: the linears' wgrad fusion, or
+        ``wanted`` with a ``main_grad`` of Megatron DDP's on every weight (not Megatron-FSDP's, whose ``main_grad``
+        its own hook makes, ``get_main_grad``, and copies ``.grad`` into), where the linears then add each gradient
+        rounded to the weights' dtype (``GroupedLinear.add_wgrad_into_main_grad``, which this sets). Called by
+        ``accumulate_into_main_grad`` at each training forward and by ``GraphedFP8FlowMoE``'s warm-up."""
+        linears = (self.linear_fc1, self.linear_fc2)
+        weights = [w for lin in linears for w in lin.weight_params]
+        adds = wanted and not self.linear_fc1.fuse_wgrad_accumulation and all(
+            getattr(w, "main_grad", None) is not None and not hasattr(w, "get_main_grad") for w in weights)
+        for lin in linears:
+            lin.add_wgrad_into_main_grad = adds
+        return self.linear_fc1.into_main_grad
 
     # ------------------------------------------------------------------ phases
     def quantize(self, hidden: torch.Tensor) -> Float8BlockwiseQTensor:
@@ -352,6 +373,8 @@ class FP8FlowMoE(nn.Module):
         # the wait (it would idle there).
         # (in the forward's grad mode: a dispatcher may call it inside its autograd Function's forward)
         grad = torch.is_grad_enabled()
+        if self.accumulate_into_main_grad and grad and self.training:
+            self.into_main_grad(True)
 
         def prefetch():
             with torch.set_grad_enabled(grad):
