@@ -170,7 +170,7 @@ def test_expert_gradient_accumulation_fusion_flag_parses_and_needs_ddp_main_grad
 
 def test_unfused_expert_gradients_are_pointed_at_the_fusion_flag():
     """--moe-fp8-flow with --no-gradient-accumulation-fusion and without the experts' own fusion flag: one warning
-    naming the flag and what the hook's pass costs; none with either fusion on, without FP8-Flow, or where DDP's
+    naming the flag and what its float32 sums gain; none with either fusion on, without FP8-Flow, or where DDP's
     main_grad does not exist (Megatron-FSDP, torch FSDP2: the fusion flag is refused there)."""
     import warnings
 
@@ -180,8 +180,8 @@ def test_unfused_expert_gradients_are_pointed_at_the_fusion_flag():
                  moe_token_dispatcher_type="alltoall", swiglu=True, add_bias_linear=False, recompute_granularity=None,
                  recompute_modules=None, moe_fp8_flow_gradient_accumulation_fusion=False, use_megatron_fsdp=False,
                  use_torch_fsdp2=False, gradient_accumulation_fusion=False)
-    with pytest.warns(UserWarning, match=f"--moe-fp8-flow with --no-gradient-accumulation-fusion: .* DDP's hook .*"
-                                         f"{FUSION} adds them in the wgrad GEMMs"):
+    with pytest.warns(UserWarning, match=f"--moe-fp8-flow with --no-gradient-accumulation-fusion: .* round each weight "
+                                         f"gradient to BF16 .* {FUSION} adds them in the wgrad GEMMs as float32"):
         validate_fp8_flow_args(argparse.Namespace(**valid))
     for change in ({"gradient_accumulation_fusion": True}, {"moe_fp8_flow_gradient_accumulation_fusion": True},
                    {"use_megatron_fsdp": True}, {"use_torch_fsdp2": True}, {"moe_fp8_flow": False}):

@@ -194,7 +194,7 @@ def test_main_grad_in_one_buffer_accumulated_in_place(order, monkeypatch):
 @pytest.mark.parametrize("backend", ["triton", "reference"] + (["cublas"] if CUDA else []))
 @pytest.mark.parametrize("overwrite", [False, True], ids=["added", "written"])
 def test_add_wgrad_into_main_grad_is_what_ddps_hook_adds(layout, backend, overwrite, monkeypatch):
-    """``add_wgrad_into_main_grad`` (GraphedFP8FlowMoE's, without wgrad fusion): the gradient rounded to the
+    """``add_wgrad_into_main_grad`` (``FP8FlowMoE.into_main_grad``'s, without wgrad fusion): the gradient rounded to the
     weights' BF16, added into ``main_grad`` (written over it with ``overwrite_main_grad``), bit for bit what
     Megatron DDP's hook adds from the ``.grad`` an unflagged module gives (or copies); in the wgrad GEMM's epilogue
     (no addition after it) but on cuBLAS, which hands over float32 sums: there written, then added. Placeholders for

@@ -30,7 +30,7 @@ used as is, never dequantized. Per step:
   (Megatron-FSDP), and ``.grad`` gets a zero placeholder, as in TE (an empty sparse one for a
   grouped weight: no bytes): Megatron's DDP hooks fire when the weight's gradient is accumulated,
   and skip weights whose ``grad_added_to_main_grad`` is set. With ``add_wgrad_into_main_grad`` (set by
-  ``GraphedFP8FlowMoE`` where Megatron's DDP adds ``.grad`` into ``main_grad`` without that fusion) the same,
+  ``FP8FlowMoE.into_main_grad`` where Megatron's DDP adds ``.grad`` into ``main_grad`` without that fusion) the same,
   but each sum rounded to the weights' dtype before it is added: what DDP's hook adds from a ``.grad``, bit
   for bit, without the ``.grad`` buffer and the hook's pass over it.
 
