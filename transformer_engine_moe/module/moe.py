@@ -85,9 +85,9 @@ class FP8FlowMoE(nn.Module):
             (TE's option of that name): less host work per backward than one parameter per expert.
         accumulate_into_main_grad: without ``fuse_wgrad_accumulation``, where at a training forward every weight
             has a ``main_grad`` of Megatron DDP's (and no Megatron-FSDP ``get_main_grad``), add each weight
-            gradient rounded to the weights' dtype into it in the wgrad GEMMs (``GroupedLinear.
-            add_wgrad_into_main_grad``): what DDP's hook adds from ``.grad``, bit for bit, without the ``.grad``
-            buffer and the hook's pass over it; elsewhere ``.grad`` as without the flag. Default False.
+            gradient rounded to the weights' dtype into it in the wgrad GEMMs (``into_main_grad``): what DDP's
+            hook adds from ``.grad``, bit for bit, without the ``.grad`` buffer and the hook's pass over it;
+            elsewhere ``.grad`` as without the flag. Default False.
     Parameters: ``linear_fc1.weight{i}`` ``[2F, H]`` (gate rows first, then up) and ``linear_fc2.weight{i}``
     ``[H, F]`` per local expert, as Megatron's TE grouped experts name them (or ``linear_fc1.weight``
     ``[E_local, 2F, H]`` and ``linear_fc2.weight`` with ``single_grouped_weight``).
