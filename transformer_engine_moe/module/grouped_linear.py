@@ -292,7 +292,7 @@ class GroupedLinear(nn.Module):
         self.recipe = recipe or FP8FlowRecipe()
         self.quantizers = {role: Float8BlockQuantizer.from_recipe(self.recipe, role) for role in Role}
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-        # set by GraphedFP8FlowMoE (the module docstring): weight gradients rounded to the weights' dtype, then added
+        # set by FP8FlowMoE.into_main_grad (the module docstring): gradients rounded to the weights' dtype, then added
         self.add_wgrad_into_main_grad = False
         self.backend = backend
         self.bias_dtype = params_dtype

@@ -98,8 +98,8 @@ def deepgemm_pays(call: "GemmCall") -> bool:
     experts average ``DEEPGEMM_WRITTEN_MIN_MEAN_ROWS`` rows (``call.rows`` over the groups: known on the host for
     device splits too)."""
     groups = len(call.m_splits)
-    return call.kind == "fprop" or call.kind == "wgrad_accumulate" or (
-        groups > 0 and call.rows >= DEEPGEMM_WRITTEN_MIN_MEAN_ROWS * groups)
+    written = call.kind in ("wgrad", "wgrad_rounded")
+    return not written or groups > 0 and call.rows >= DEEPGEMM_WRITTEN_MIN_MEAN_ROWS * groups
 
 
 def cublas_pays(kind: str, m_splits: list, weight_elements: int) -> bool:
