@@ -8,8 +8,8 @@ launches: W also read once more, 5 per element); % of the copy bandwidth measure
 are checked bitwise against the stack-first path first. DeepSeek-V3 expert shapes (fc1 [4096, 7168], fc2
 [7168, 2048]) at 8 to 128 local experts.
 
-Run on a GPU: ``python benchmarks/bench_quantize_grouped_weight.py [--sweep]`` (``--sweep``: num_warps of
-the one-launch kernel at 64 experts, fc1).
+Run on a GPU: ``python benchmarks/bench_quantize_grouped_weight.py [--sweep]`` (``--sweep``: launch shapes of
+the one-launch kernel at 64 experts, fc1: num_warps, and rows per slice where it writes W and W^T).
 """
 
 from __future__ import annotations
@@ -50,17 +50,18 @@ def run(experts, gemm, copy_tbps) -> dict:
 
 
 def sweep(copy_tbps) -> list[dict]:
-    """num_warps of the quantizing kernel writing W alone (3 bytes per element) and W and W^T (4) at 64
-    experts, fc1, BF16."""
+    """Launch shapes (rows per slice, num_warps) of the quantizing kernel writing W alone (3 bytes per element,
+    whole tiles) and W and W^T (4) at 64 experts, fc1, BF16."""
     n, k = SHAPES["fc1"]
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(64)]
     rows = []
-    for transpose, nbytes in ((False, 3), (True, 4)):
-        for warps in (2, 4, 8, 16):
-            t = utils.time_ms(lambda: kq.quantize_grouped_weight(weights, torch.float8_e4m3fn, transpose=transpose,
-                                                                 num_warps=warps))
-            rows.append(dict(writes="W and W^T" if transpose else "W", num_warps=warps, ms=t,
-                             pct_of_copy=100 * 64 * n * k * nbytes / t / 1e9 / copy_tbps))
+    for transpose, nbytes, slices in ((False, 3, (128,)), (True, 4, (128, 64, 32))):
+        for slice_rows in slices:
+            for warps in (2, 4, 8, 16):
+                t = utils.time_ms(lambda: kq.quantize_grouped_weight(weights, torch.float8_e4m3fn, transpose=transpose,
+                                                                     config=(slice_rows, warps)))
+                rows.append(dict(writes="W and W^T" if transpose else "W", slice_rows=slice_rows, num_warps=warps,
+                                 ms=t, pct_of_copy=100 * 64 * n * k * nbytes / t / 1e9 / copy_tbps))
     return rows
 
 
@@ -68,9 +69,10 @@ def main():
     args, env, ceil, copy_tbps = utils.start(__doc__.splitlines()[0], "also sweep the kernel's launch shapes")
     if args.sweep:
         path = utils.write_results("bench_quantize_grouped_weight_sweep", "quantize_grouped_weight launch shapes",
-                                   env, ceil, sweep(copy_tbps), ["writes", "num_warps", "ms", "pct_of_copy"],
-                                   notes=f"64 experts x [4096, 7168] BF16; default num_warps {kq.GROUPED_WEIGHT_WARPS} "
-                                         f"(W), {kq.FUSED_WEIGHT_WARPS} (W and W^T).")
+                                   env, ceil, sweep(copy_tbps), ["writes", "slice_rows", "num_warps", "ms", "pct_of_copy"],
+                                   notes=f"64 experts x [4096, 7168] BF16; default: whole tiles on "
+                                         f"{kq.GROUPED_WEIGHT_WARPS} warps (W), (rows per slice, num_warps) "
+                                         f"{kq.FUSED_WEIGHT_CONFIG} (W and W^T).")
         print(path.read_text())
     rows = [run(e, g, copy_tbps) for e in (8, 32, 64, 128) for g in SHAPES]
     path = utils.write_results("bench_quantize_grouped_weight", "Expert weights -> W and W^T, 128x128 FP8", env,

@@ -4,9 +4,10 @@ quantizing 128x128 and byte-transposing (the reference path); special values; ba
 import pytest
 import torch
 
-from conftest import KERNEL_DEVICE, assert_no_host_sync, requires_cuda
+from conftest import KERNEL_DEVICE, assert_no_host_sync, requires_cuda, same_bits
 from test_quantize import FP8, FP8_IDS, _input, assert_same_fp8
 from transformer_engine_moe import quantize_blockwise, quantize_grouped_weight, transpose_grouped_weight
+from transformer_engine_moe.kernels import quantize as kq
 
 
 def _weights(g, n, k, dtype, device=KERNEL_DEVICE):
@@ -36,6 +37,20 @@ def test_matches_stack_quantize_transpose(fp8, dtype, backend):
     assert w.is_2D_scaled and wt.is_2D_scaled and w.force_pow_2_scales
     assert_same_fp8(w, ref_w)
     assert_same_fp8(wt, ref_wt)
+
+
+@pytest.mark.parametrize("config", [(128, 4), (64, 8), (32, 4), (16, 2)], ids=str)
+def test_every_launch_shape_gives_the_same_bytes(config):
+    """The kernel's launch shapes (rows per slice, warps; benchmark sweeps): a tile read in slices, twice, quantizes
+    as a tile read at once, special values included (NaN, infinities, zeros, values spanning 12 decades)."""
+    weights = _weights(2, 256, 384, torch.bfloat16)
+    q, s, qt, st = kq.quantize_grouped_weight(weights, torch.float8_e4m3fn, config=config)
+    ref_w, ref_wt = _two_step(weights, torch.float8_e4m3fn, "reference")
+    assert torch.equal(q.view(torch.uint8), ref_w.rowwise_data.view(torch.uint8).view(q.shape))
+    assert torch.equal(qt.view(torch.uint8), ref_wt.rowwise_data.view(torch.uint8).view(qt.shape))
+    assert same_bits(s, ref_w.rowwise_scale_inv.view(s.shape)) and same_bits(st, ref_wt.rowwise_scale_inv.view(st.shape))
+    with pytest.raises(ValueError, match="rows per slice must be 16, 32, 64 or 128, got 48"):
+        kq.quantize_grouped_weight(weights, torch.float8_e4m3fn, config=(48, 4))
 
 
 def test_one_expert_and_without_transpose():

@@ -29,13 +29,14 @@ FLAT_CONFIG = (16, 1, 4)
 ROWWISE_CONFIG = (16, 2, 4)  # ragged K or strided rows
 COLWISE_CONFIG = (64, 4)  # (BLOCK_K, num_warps) of the 128x1 kernel: 69% of copy (expert-major, x128 groups)
 GROUPED_WEIGHT_WARPS = 8  # quantize_grouped_weight, W only, aligned weights: 97-99% of copy on an H200 (4 warps: 78)
-# quantize_grouped_weight writing W and W^T from one launch (16-bit weights): 92-93% of copy on an H100 with
-# 4 warps (8: 79-81%, 16: 84-85%): 14-16% less time than W then the byte transpose, DeepSeek-V3 expert shapes
-# at 64 and 128 experts (2026-11-23; benchmarks/bench_quantize_grouped_weight.py). On an H200 4 warps stay ahead:
-# 3.30 TB/s at 128 experts (78% of copy) against 2.59 (8) and 2.76 (16) (2026-11-28, a scratch sweep). With float32
-# weights the same kernel wrote wrong bytes under Triton 3.6 (also transposing the codes or the scaled tile; the
-# codes' transpose was wrong with BF16 weights too, and slower), so float32 weights take the two launches.
-FUSED_WEIGHT_WARPS = 4
+# quantize_grouped_weight writing W and W^T from one launch (16-bit weights): (rows per slice, num_warps). Two passes
+# over 64-row slices of each 128x128 tile on 8 warps (79 registers a thread: four programs per SM) reach 90-95% of
+# copy on an H200, where the whole tile held at once on 4 warps (248 registers: two programs per SM) reached 75-78%
+# (2026-12-02, DeepSeek-V3 expert shapes at 32 and 128 experts, docs/quantization.md); on an H100 the whole tile ran
+# at 92-93% (2026-11-23). With float32 weights the one-launch kernel wrote wrong bytes under Triton 3.6 (also
+# transposing the codes or the scaled tile; the codes' transpose was wrong with BF16 weights too, and slower), so
+# float32 weights take the two launches.
+FUSED_WEIGHT_CONFIG = (64, 8)
 
 
 @triton.jit
@@ -255,30 +256,37 @@ def _quantize_grouped_weight_kernel(
     ptrs, x0_ptr, q_ptr, qt_ptr, s_ptr, N, K,
     eps, value_for_inf,
     FP8_MAX: tl.constexpr, E5M2: tl.constexpr, POW2: tl.constexpr, SOFTWARE_CAST: tl.constexpr,
-    ALIGNED: tl.constexpr, TRANSPOSE: tl.constexpr,
+    ALIGNED: tl.constexpr, TRANSPOSE: tl.constexpr, SLICE: tl.constexpr,
 ):
     """One 128x128 tile of weight g (read through the pointer table ``ptrs``; ``x0_ptr`` gives the
     element type) -> its codes in q [G, N, K], one scale_inv, and (``TRANSPOSE``) the codes of the
-    transposed tile in qt [G, K, N]: the loaded tile is transposed before the same per-element
-    arithmetic, so W^T holds W's bytes. ``ALIGNED``: every table entry is a multiple of 16 bytes, which
-    the compiler cannot know of a loaded pointer; without the hint the loads are not vectorised (63% of
-    copy on an H200 against 97-99%)."""
+    transposed tile in qt [G, K, N]: each loaded slice is transposed before the same per-element
+    arithmetic, so W^T holds W's bytes. The tile is read in ``SLICE``-row slices, twice when SLICE < 128
+    (the amax, then the codes, the slices read again from L1/L2): no whole tile is held in registers, so
+    more programs share an SM. ``ALIGNED``: every table entry is a multiple of 16 bytes, which the compiler
+    cannot know of a loaded pointer; without the hint the loads are not vectorised (63% of copy on an H200
+    against 97-99%)."""
     pid_k, pid_n, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x_ptr = tl.load(ptrs + g).to(tl.pointer_type(x0_ptr.dtype.element_ty))
     if ALIGNED:
         x_ptr = tl.multiple_of(x_ptr, 16)
-    rows = (pid_n * 128 + tl.arange(0, 128)).to(tl.int64)
     cols = (pid_k * 128 + tl.arange(0, 128)).to(tl.int64)
-    raw = tl.load(x_ptr + rows[:, None] * K + cols[None, :])
-    x = to_float(raw, SOFTWARE_CAST)
-    scale, scale_inv = compute_scale(tl.max(tl.max(abs_no_nan(x), axis=1), axis=0), eps, value_for_inf,
-                                     FP8_MAX, POW2)
+    amax = tl.zeros([SLICE, 128], tl.float32)  # the slices' running |x|, NaN left out
+    for c in tl.static_range(128 // SLICE):
+        rows = (pid_n * 128 + c * SLICE + tl.arange(0, SLICE)).to(tl.int64)
+        raw = tl.load(x_ptr + rows[:, None] * K + cols[None, :])
+        amax = tl.maximum(amax, abs_no_nan(to_float(raw, SOFTWARE_CAST)))
+    scale, scale_inv = compute_scale(tl.max(tl.max(amax, axis=1), axis=0), eps, value_for_inf, FP8_MAX, POW2)
     base = g.to(tl.int64) * N * K
-    tl.store(q_ptr + base + rows[:, None] * K + cols[None, :], float_to_fp8_bits(x * scale, FP8_MAX, E5M2,
-                                                                                 SOFTWARE_CAST))
-    if TRANSPOSE:
-        qt = float_to_fp8_bits(to_float(tl.trans(raw), SOFTWARE_CAST) * scale, FP8_MAX, E5M2, SOFTWARE_CAST)
-        tl.store(qt_ptr + base + cols[:, None] * N + rows[None, :], qt)
+    for c in tl.static_range(128 // SLICE):
+        rows = (pid_n * 128 + c * SLICE + tl.arange(0, SLICE)).to(tl.int64)
+        if SLICE < 128:  # one slice keeps the tile it read
+            raw = tl.load(x_ptr + rows[:, None] * K + cols[None, :])
+        tl.store(q_ptr + base + rows[:, None] * K + cols[None, :],
+                 float_to_fp8_bits(to_float(raw, SOFTWARE_CAST) * scale, FP8_MAX, E5M2, SOFTWARE_CAST))
+        if TRANSPOSE:
+            qt = float_to_fp8_bits(to_float(tl.trans(raw), SOFTWARE_CAST) * scale, FP8_MAX, E5M2, SOFTWARE_CAST)
+            tl.store(qt_ptr + base + cols[:, None] * N + rows[None, :], qt)
     tl.store(s_ptr + (g * (N // 128) + pid_n) * (K // 128) + pid_k, scale_inv)
 
 
@@ -289,14 +297,15 @@ def quantize_grouped_weight(
     amax_epsilon: float = 0.0,
     transpose: bool = True,
     software_cast: bool | None = None,
-    num_warps: int | None = None,
+    config: tuple[int, int] | None = None,
     fused: bool | None = None,
 ):
     """As ``reference.quantize.quantize_grouped_weight``: one launch quantizes all G weights in place
     (a table of the G contiguous ``[N, K]`` weights' addresses: no stacking copy) into W ``[G, N, K]``
     and, with ``transpose``, W^T ``[G, K, N]``. ``fused`` (default: for 16-bit weights) writes W^T from
-    the same launch (``FUSED_WEIGHT_WARPS``); otherwise the byte transpose ``transpose_128x128`` of W
-    writes it after."""
+    the same launch (``FUSED_WEIGHT_CONFIG``); otherwise the byte transpose ``transpose_128x128`` of W
+    writes it after. ``config``: (rows per slice, num_warps) of the quantizing launch (benchmark sweeps;
+    default ``FUSED_WEIGHT_CONFIG``, or whole tiles on ``GROUPED_WEIGHT_WARPS`` for W alone)."""
     from .transpose import transpose_128x128
 
     x0 = weights[0]
@@ -306,10 +315,13 @@ def quantize_grouped_weight(
     qt = torch.empty((g, k, n), dtype=fp8_dtype, device=x0.device) if fused else q
     s = torch.empty((g, n // BLOCK_SIZE, k // BLOCK_SIZE), dtype=torch.float32, device=x0.device)
     if q.numel():
+        slice_rows, num_warps = config or (FUSED_WEIGHT_CONFIG if fused else (BLOCK_SIZE, GROUPED_WEIGHT_WARPS))
+        if slice_rows not in (16, 32, 64, 128):
+            raise ValueError(f"config: rows per slice must be 16, 32, 64 or 128, got {slice_rows}")
         table, aligned = address_table(weights)
         _quantize_grouped_weight_kernel[(k // BLOCK_SIZE, n // BLOCK_SIZE, g)](
             table, x0, q.view(torch.uint8), qt.view(torch.uint8), s, n, k, ALIGNED=aligned, TRANSPOSE=fused,
-            num_warps=num_warps or (FUSED_WEIGHT_WARPS if fused else GROUPED_WEIGHT_WARPS),
+            SLICE=slice_rows, num_warps=num_warps,
             **_common_args(x0, fp8_dtype, force_pow_2_scales, amax_epsilon, software_cast),
         )
     if not transpose:
