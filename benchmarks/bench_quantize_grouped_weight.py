@@ -69,7 +69,8 @@ def main():
     args, env, ceil, copy_tbps = utils.start(__doc__.splitlines()[0], "also sweep the kernel's launch shapes")
     if args.sweep:
         path = utils.write_results("bench_quantize_grouped_weight_sweep", "quantize_grouped_weight launch shapes",
-                                   env, ceil, sweep(copy_tbps), ["writes", "slice_rows", "num_warps", "ms", "pct_of_copy"],
+                                   env, ceil, sweep(copy_tbps),
+                                   ["writes", "slice_rows", "num_warps", "ms", "pct_of_copy"],
                                    notes=f"64 experts x [4096, 7168] BF16; default: whole tiles on "
                                          f"{kq.GROUPED_WEIGHT_WARPS} warps (W), (rows per slice, num_warps) "
                                          f"{kq.FUSED_WEIGHT_CONFIG} (W and W^T).")

@@ -30,7 +30,7 @@ ROWWISE_CONFIG = (16, 2, 4)  # ragged K or strided rows
 COLWISE_CONFIG = (64, 4)  # (BLOCK_K, num_warps) of the 128x1 kernel: 69% of copy (expert-major, x128 groups)
 GROUPED_WEIGHT_WARPS = 8  # quantize_grouped_weight, W only, aligned weights: 97-99% of copy on an H200 (4 warps: 78)
 # quantize_grouped_weight writing W and W^T from one launch (16-bit weights): (rows per slice, num_warps). Two passes
-# over 64-row slices of each 128x128 tile on 8 warps (79 registers a thread: four programs per SM) reach 90-95% of
+# over 64-row slices of each 128x128 tile on 8 warps (79 registers a thread: four programs per SM) reach 88-96% of
 # copy on an H200, where the whole tile held at once on 4 warps (248 registers: two programs per SM) reached 75-78%
 # (2026-12-02, DeepSeek-V3 expert shapes at 32 and 128 experts, docs/quantization.md); on an H100 the whole tile ran
 # at 92-93% (2026-11-23). With float32 weights the one-launch kernel wrote wrong bytes under Triton 3.6 (also
