@@ -311,13 +311,13 @@ def quantize_grouped_weight(
     x0 = weights[0]
     g, (n, k) = len(weights), x0.shape
     fused = transpose and (x0.element_size() == 2 if fused is None else fused)
+    slice_rows, num_warps = config or (FUSED_WEIGHT_CONFIG if fused else (BLOCK_SIZE, GROUPED_WEIGHT_WARPS))
+    if slice_rows not in (16, 32, 64, 128):
+        raise ValueError(f"config: rows per slice must be 16, 32, 64 or 128, got {slice_rows}")
     q = torch.empty((g, n, k), dtype=fp8_dtype, device=x0.device)
     qt = torch.empty((g, k, n), dtype=fp8_dtype, device=x0.device) if fused else q
     s = torch.empty((g, n // BLOCK_SIZE, k // BLOCK_SIZE), dtype=torch.float32, device=x0.device)
     if q.numel():
-        slice_rows, num_warps = config or (FUSED_WEIGHT_CONFIG if fused else (BLOCK_SIZE, GROUPED_WEIGHT_WARPS))
-        if slice_rows not in (16, 32, 64, 128):
-            raise ValueError(f"config: rows per slice must be 16, 32, 64 or 128, got {slice_rows}")
         table, aligned = address_table(weights)
         _quantize_grouped_weight_kernel[(k // BLOCK_SIZE, n // BLOCK_SIZE, g)](
             table, x0, q.view(torch.uint8), qt.view(torch.uint8), s, n, k, ALIGNED=aligned, TRANSPOSE=fused,
