@@ -4,8 +4,10 @@ transpose_grouped_weight: the byte transpose of stacked 128x128 weights."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from conftest import KERNEL_DEVICE, assert_no_host_sync, requires_cuda
+from conftest import KERNEL_DEVICE, assert_no_host_sync, requires_cuda, same_bits
 from transformer_engine_moe import (
     Float8BlockwiseQTensor,
     quantize_blockwise,
@@ -95,24 +97,86 @@ def test_zero_rows_do_not_set_the_column_scale(fp8, backend):
     assert ((cols - rows).norm() / rows.norm()).item() < 0.05  # only the shifts of smaller rows lose bits
 
 
+@pytest.mark.parametrize("k", [300, 384], ids=["bytes", "words"])
 @pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
 @pytest.mark.parametrize("splits", ["none", "list", "tensor"])
-def test_kernel_matches_reference_bitwise(fp8, splits):
-    x = activations(sum(GROUPS), 300)  # ragged K
+def test_kernel_matches_reference_bitwise(fp8, splits, k):
+    """Zero rows, empty groups, NaN codes and row blocks holding +-inf (scale_inv NaN: NaN column scales); the
+    zero-row test on bytes (K = 300, ragged) and on 32-bit words (K % 16 == 0)."""
+    x = activations(sum(GROUPS), k)
+    x[6, 200], x[700, 5] = float("inf"), -float("inf")
     m_splits = {"none": None, "list": GROUPS, "tensor": torch.tensor(GROUPS, device=x.device)}[splits]
     q = quantize_blockwise(x, fp8_dtype=fp8)
     a = scaling_aware_transpose(q, m_splits, backend="triton")
     b = scaling_aware_transpose(q, m_splits, backend="reference")
-    assert torch.equal(a.columnwise_scale_inv, b.columnwise_scale_inv)
+    assert b.columnwise_scale_inv.isnan().any()
+    assert same_bits(a.columnwise_scale_inv, b.columnwise_scale_inv)
     assert torch.equal(a.columnwise_data.view(torch.uint8), b.columnwise_data.view(torch.uint8))
 
 
+@pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
+@pytest.mark.parametrize("layout", ["words", "bytes_k", "bytes_offset"])
+def test_zero_row_test_sees_every_byte(layout, fp8):
+    """Rows whose one nonzero code sits at each column in turn (every byte of every 32-bit word, the partial last
+    128-column block too) beside rows of -0 codes (0x80: zero rows) with a larger scale, in which a missed live row
+    or a counted zero row changes the column scales: kernel and reference bit for bit. The zero-row test runs on
+    words for K % 16 == 0 and 16-byte aligned data, on bytes for K = 140 or data one byte off alignment."""
+    k = 140 if layout == "bytes_k" else 144
+    rows = []
+    for c in range(k):
+        rows.append(torch.zeros(k, dtype=torch.uint8))
+        rows[-1][c] = 0x38 + c % 7
+        if c % 2:
+            rows.append(torch.full((k,), 0x80, dtype=torch.uint8))
+    data = torch.stack(rows)
+    m = data.shape[0]
+    zero = (data == 0x80).all(1)
+    scale = torch.where(zero, 2.0**10, 2.0 ** -(torch.arange(m) % 5.0))[:, None].repeat(1, 2)
+    if layout == "bytes_offset":  # the same bytes one past a 16-byte boundary
+        data = torch.empty(m * k + 1, dtype=torch.uint8)[1:].view(m, k).copy_(data)
+    data, scale = data.to(KERNEL_DEVICE).view(fp8), scale.to(KERNEL_DEVICE)
+    assert (data.data_ptr() % 16 == 0) == (layout != "bytes_offset")
+    for m_splits in (None, [100, m - 100]):
+        want = ref.scaling_aware_transpose(data, scale, m_splits)
+        got = kt.scaling_aware_transpose(data, scale, m_splits)
+        assert torch.equal(got[1], want[1]) and (want[1] < 2.0**10).all()
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
+@triton.jit
+def _f16_factor_bits(d_ptr, out_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(out_ptr + i, kt.f16_pow2_neg_bits(tl.load(d_ptr + i)))
+
+
+def test_e4m3_half_precision_shift_is_exact():
+    """``shift_e4m3_f16`` (the GPU's E4M3 re-encoding) is the exact shift for every E4M3 code (NaN, both zeros)
+    and every d in 0..80 (and 254 / 255: shifts under a 2**-127 or NaN scale). Its factor is the Triton helper's
+    (run here), and must be 2**-d exactly in f16 (0 past 2**-24); its three hardware conversions are done by torch,
+    as the GPU does them (FP8 -> f16 exact, f16 multiply RNE, f16 -> FP8 RNE with NaN -> 0x7F), since the
+    interpreter's FP8 casts are not IEEE (``kernels/casts.py``). The GPU runs the helper itself in
+    ``test_gpu_software_reencoding_equals_hardware``."""
+    d = torch.tensor(list(range(81)) + [254, 255], dtype=torch.int32)
+    n = d.numel()
+    bits = torch.zeros(128, dtype=torch.int32, device=KERNEL_DEVICE)
+    _f16_factor_bits[(1,)](torch.nn.functional.pad(d, (0, 128 - n)).to(KERNEL_DEVICE), bits, N=128)
+    factor = bits[:n].cpu().to(torch.int16).view(torch.float16)  # the kernel's int32 -> int16 -> f16 bitcast
+    assert torch.equal(factor, (2.0 ** -d.double()).to(torch.float16))
+    codes = torch.arange(256, dtype=torch.int32)
+    product = codes.to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float16)[None, :] * factor[:, None]
+    got = torch.where(product.isnan(), 0x7F, product.to(torch.float8_e4m3fn).view(torch.uint8).int())
+    want = ref.shift_fp8_down(codes.expand(n, 256), d[:, None].expand(n, 256), torch.float8_e4m3fn)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("k", [300, 384], ids=["bytes", "words"])
 @pytest.mark.parametrize("splits", [GROUPS, [0, 256, 112, 1008]], ids=["ragged", "multiples_of_16"])
 @pytest.mark.parametrize("config", [(1, 1, 2), (2, 2, 4), (1, 4, 4), (2, 4, 8)], ids=str)
-def test_every_launch_shape_gives_the_reference_bits(config, splits):
-    """(KB_TILE, CHUNKS, num_warps): column slices of a ragged last 128-column block (K = 300); groups that take
-    the kernel's general path and groups that take its 16-byte-store path."""
-    q = quantize_blockwise(activations(sum(splits), 300), fp8_dtype=torch.float8_e5m2)
+def test_every_launch_shape_gives_the_reference_bits(config, splits, k):
+    """(KB_TILE, CHUNKS, num_warps): column slices of a ragged last 128-column block (K = 300) and a program's
+    second block past K (K = 384, KB_TILE 2); groups that take the kernel's general path and groups that take its
+    16-byte-store path; the zero-row test on bytes and on words."""
+    q = quantize_blockwise(activations(sum(splits), k), fp8_dtype=torch.float8_e5m2)
     want = scaling_aware_transpose(q, splits, backend="reference")
     qt, st = kt.scaling_aware_transpose(q.rowwise_data, q.rowwise_scale_inv, splits, config=config)
     assert torch.equal(st, want.columnwise_scale_inv)
@@ -224,6 +288,12 @@ def test_non_power_of_two_scales_are_rejected():
         scaling_aware_transpose(lying, backend="reference")
     poisoned = scaling_aware_transpose(lying, backend="triton")  # no host sync: NaN scales instead
     assert poisoned.columnwise_scale_inv.isnan().any()
+    # one such row (not the block's largest) poisons exactly its own (column block, 128-column block)
+    q = quantize_blockwise(x)
+    scale = q.rowwise_scale_inv.clone()
+    scale[5, 1] = scale[:128, 1].min() * 1.5
+    one = kt.scaling_aware_transpose(q.rowwise_data, scale)[1]
+    assert one[0, 128:].isnan().all() and one[:, :128].isfinite().all() and one[1:].isfinite().all()
 
 
 @pytest.mark.parametrize(
@@ -276,9 +346,9 @@ def test_gpu_bitwise_at_full_size(groups):
 @requires_cuda
 @pytest.mark.parametrize("fp8", FP8, ids=FP8_IDS)
 def test_gpu_software_reencoding_equals_hardware(fp8):
-    """Every code at shifts 0..40 (and specials): integer path == decode * 2**-d + hardware cast."""
+    """Every code at shifts 0..80 (and specials): integer path == the hardware casts (E4M3: in half precision)."""
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(4096, 1)
-    scale = 2.0 ** -(torch.arange(4096, dtype=torch.float32) % 41)[:, None].repeat(1, 2)  # d = r % 41
+    scale = 2.0 ** -(torch.arange(4096, dtype=torch.float32) % 81)[:, None].repeat(1, 2)  # d = r % 81
     q, s = codes.view(fp8).cuda(), scale.cuda()
     hw = kt.scaling_aware_transpose(q, s, software_cast=False)
     sw = kt.scaling_aware_transpose(q, s, software_cast=True)
