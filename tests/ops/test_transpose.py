@@ -132,9 +132,10 @@ def test_zero_row_test_sees_every_byte(layout, fp8):
     m = data.shape[0]
     zero = (data == 0x80).all(1)
     scale = torch.where(zero, 2.0**10, 2.0 ** -(torch.arange(m) % 5.0))[:, None].repeat(1, 2)
-    if layout == "bytes_offset":  # the same bytes one past a 16-byte boundary
-        data = torch.empty(m * k + 1, dtype=torch.uint8)[1:].view(m, k).copy_(data)
-    data, scale = data.to(KERNEL_DEVICE).view(fp8), scale.to(KERNEL_DEVICE)
+    data, scale = data.to(KERNEL_DEVICE), scale.to(KERNEL_DEVICE)
+    if layout == "bytes_offset":  # the same bytes one past a 16-byte boundary (made there: .to() would realign)
+        data = torch.empty(m * k + 1, dtype=torch.uint8, device=KERNEL_DEVICE)[1:].view(m, k).copy_(data)
+    data = data.view(fp8)
     assert (data.data_ptr() % 16 == 0) == (layout != "bytes_offset")
     for m_splits in (None, [100, m - 100]):
         want = ref.scaling_aware_transpose(data, scale, m_splits)
