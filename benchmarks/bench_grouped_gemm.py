@@ -24,8 +24,9 @@ waits on the host. Ops:
 
 Backends: ``deepgemm`` (when installed; its wgrads also on device-tensor splits where the release takes them,
 ``splits`` = device: the CUDA-graph path's), ``cublas`` (one cuBLAS GEMM per expert, cuBLASLt itself), ``triton``
-(device-tensor splits, no host sync), ``gluon`` (fprop/dgrad on the Gluon kernel, device-tensor splits; Hopper
-under Triton 3.6; its wgrad is Triton's, so no wgrad rows) and ``bf16`` (``torch._grouped_mm``). Every FP8 output
+(device-tensor splits, no host sync), ``gluon`` (the Gluon kernels, device-tensor splits; Hopper under Triton 3.6:
+fprop, dgrad and the written wgrads, ``GLUON_OPS``; its other wgrads are Triton's, so no rows) and ``bf16``
+(``torch._grouped_mm``). Every FP8 output
 is checked against the float32 reference before it is timed. ``auto`` marks the backend ``ops.grouped_gemm`` picks.
 
 Run on a GPU: ``python benchmarks/bench_grouped_gemm.py [--shape qwen3_moe_like] [--rows 512 1024 ...] [--ops ...]
@@ -51,6 +52,7 @@ TOTAL_ROWS, MAX_EXPERTS = 131072, 128
 SHAPES = {"deepseek_v3": {"fc1": (4096, 7168), "fc2": (7168, 2048)},  # (N, K) of each expert GEMM
           "qwen3_moe_like": {"fc1": (1536, 2048), "fc2": (2048, 768)}}
 FP8_BACKENDS = ("deepgemm", "cublas", "gluon", "triton")
+GLUON_OPS = ("fprop", "dgrad", "wgrad", "wgrad_fp32")  # what its kernels run (the rest: Triton's wgrad)
 
 
 def relerr(a, b):
@@ -155,7 +157,7 @@ def run(rows_per_expert, gemm, ops, shape="deepseek_v3", backends=FP8_BACKENDS +
     for backend, device_splits in splits_per_backend(backends):
         fns = bf16_calls(o) if backend == "bf16" else calls(o, backend, device_splits)
         for op, fn in fns.items():
-            if op not in ops or backend == "gluon" and op.startswith("wgrad"):  # Gluon's wgrad is Triton's
+            if op not in ops or backend == "gluon" and op not in GLUON_OPS:  # its other wgrads are Triton's
                 continue
             if backend == "deepgemm" and device_splits and not op.startswith("wgrad"):
                 continue  # its fprop/dgrad on device splits: the same kernel, rows under host splits

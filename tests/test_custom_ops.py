@@ -73,16 +73,14 @@ def _op(name: str, column: str):
 
 def test_every_launcher_of_every_column_is_an_op():
     """Each column's launcher calls its op under torch.compile: ``te_moe::<launcher>_<column>``, the column it
-    shares the launcher with (cuBLAS and DeepGEMM: Triton's but for the GEMMs; Gluon: Triton's but for fprop/dgrad;
-    no dequantize kernels but 1x128), or ``..._into_..`` / ``..._into_list_..`` for a wgrad into ``out`` (a tensor
+    shares the launcher with (cuBLAS, DeepGEMM and Gluon: Triton's but for the GEMMs; no dequantize kernels but
+    1x128), or ``..._into_..`` / ``..._into_list_..`` for a wgrad into ``out`` (a tensor
     / a list)."""
     for column, impl in backend.IMPLEMENTATIONS.items():
         for name in LAUNCHERS:
             owner = next(c for c, i in backend.IMPLEMENTATIONS.items() if getattr(i, name) is getattr(impl, name))
             assert getattr(impl, name).op is getattr(torch.ops.te_moe, f"{name}_{owner}"), (name, column)
-            own = ("grouped_gemm",) if column == "gluon" else ("grouped_gemm", "grouped_gemm_wgrad")
-            assert owner == column or name not in own, (name, column, owner)
-            assert column != "gluon" or name != "grouped_gemm_wgrad" or owner == "triton"
+            assert owner == column or name not in ("grouped_gemm", "grouped_gemm_wgrad"), (name, column, owner)
     assert hasattr(torch.ops.te_moe, "grouped_gemm_wgrad_into_triton")
     assert hasattr(torch.ops.te_moe, "grouped_gemm_wgrad_into_list_triton")
     assert set(SAMPLES) == set(LAUNCHERS) | {"grouped_gemm_wgrad_into", "grouped_gemm_wgrad_into_list"}

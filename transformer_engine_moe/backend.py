@@ -94,9 +94,10 @@ else:
         from .kernels import grouped_gemm_gluon
     except ImportError:
         pass
-    else:  # fprop/dgrad only: the wgrad stays Triton's
-        GLUON = dataclasses.replace(TRITON, name="gluon",
-                                    grouped_gemm=launcher_op("grouped_gemm", "gluon", grouped_gemm_gluon.grouped_gemm))
+    else:  # the GEMMs (its wgrad runs the Triton twin where the Gluon kernel does not take the call)
+        GLUON = dataclasses.replace(
+            TRITON, name="gluon", grouped_gemm=launcher_op("grouped_gemm", "gluon", grouped_gemm_gluon.grouped_gemm),
+            grouped_gemm_wgrad=launcher_op("grouped_gemm_wgrad", "gluon", grouped_gemm_gluon.grouped_gemm_wgrad))
 
 IMPLEMENTATIONS = {impl.name: impl for impl in (REFERENCE, TRITON, CUBLAS, DEEPGEMM, GLUON) if impl is not None}
 

@@ -1,17 +1,20 @@
-"""The Gluon fprop/dgrad kernel (``kernels/grouped_gemm_gluon.py``) against its Triton twin, bit for bit, and the
-float32 reference: ragged, empty and single-expert groups (any sizes, not only multiples of 128), a trailing
+"""The Gluon kernels (``kernels/grouped_gemm_gluon.py``) against their Triton twins, bit for bit, and the float32
+reference. fprop/dgrad: ragged, empty and single-expert groups (any sizes, not only multiples of 128), a trailing
 weightless group, host and device splits, E4M3 and E5M2 activations, BF16 and float32 output, zeros and
-non-finite values; no host sync; what ``auto`` picks; GroupedLinear on it. The twin runs on the CPU suite under
-the interpreter (tests/ops/test_grouped_gemm.py); this kernel needs a Hopper GPU under Triton 3.6."""
+non-finite values; no host sync; what ``auto`` picks; GroupedLinear on it. wgrad: groups of multiples of 16 rows
+(empty, small, ragged; programs walking many tiles of a group), host and device splits, E4M3 and E5M2 dY, BF16 and
+float32 written, non-finite values; the calls it leaves to the twin; no host sync; replays of a CUDA graph with
+other routings. The twins run on the CPU suite under the interpreter (tests/ops/test_grouped_gemm.py); these
+kernels need a Hopper GPU under Triton 3.6."""
 
 import pytest
 import torch
 
 from conftest import CUDA, assert_no_host_sync, relerr, same_bits
-from transformer_engine_moe import quantize_blockwise, quantize_grouped_weight
+from transformer_engine_moe import quantize_blockwise, quantize_grouped_weight, scaling_aware_transpose
 from transformer_engine_moe.kernels import grouped_gemm as twin, grouped_gemm_gluon as gk
 from transformer_engine_moe.module import GroupedLinear
-from transformer_engine_moe.ops.grouped_gemm import GemmCall, _impl, grouped_gemm
+from transformer_engine_moe.ops.grouped_gemm import GemmCall, _impl, grouped_gemm, grouped_gemm_wgrad
 
 HAVE_GLUON = CUDA and gk.available(torch.device("cuda"))
 requires_gluon = pytest.mark.skipif(not HAVE_GLUON, reason="needs a Hopper GPU and Triton 3.6")
@@ -119,3 +122,126 @@ def test_launcher_refuses_n_off_its_tile():
     b = torch.zeros(1, 384, 128, dtype=E4M3)
     with pytest.raises(ValueError, match="needs N % 256 == 0 and R % 128 == 0, got N=384, R=128"):
         gk.grouped_gemm(a, torch.ones(128, 1), b, torch.ones(1, 3, 1), [128])
+
+
+# ------------------------------------------------------------------------------------------------------------ wgrad
+WGRAD_SPLITS = [[0, 384, 128, 512], [16, 0, 48, 1024], [0, 0, 0, 256], [2048, 0, 0, 0], [0, 0, 0, 0]]
+
+
+def wgrad_operands(splits, n=512, k=768, fp8=E5M2, nonfinite=False):
+    """Raw ``(dY^T, its scales, X^T, its scales)``: the grouped 128x1 columnwise copies of ``dY [M, n]`` (``fp8``)
+    and ``X [M, k]`` (E4M3, rows over 12 decades) by ``splits``; ``nonfinite``: a NaN and an inf in dY."""
+    m = sum(splits)
+    dy = torch.randn(m, n, device="cuda")
+    if nonfinite and m:
+        dy[0, 5], dy[-1, 300] = float("nan"), float("inf")
+    x = torch.randn(m, k, device="cuda") * torch.logspace(-6, 6, m, device="cuda")[:, None]
+    dyt = scaling_aware_transpose(quantize_blockwise(dy, fp8_dtype=fp8), splits)
+    xt = scaling_aware_transpose(quantize_blockwise(x), splits)
+    return dyt.columnwise_data.view(-1), dyt.columnwise_scale_inv, xt.columnwise_data.view(-1), xt.columnwise_scale_inv
+
+
+@requires_gluon
+@pytest.mark.parametrize("splits", WGRAD_SPLITS, ids=str)
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_wgrad_bitwise_the_twin_and_near_the_reference(splits, as_tensor, fp8):
+    ops = wgrad_operands(splits, fp8=fp8)
+    ms = torch.tensor(splits, device="cuda", dtype=torch.int32) if as_tensor else splits
+    assert gk.takes_wgrad(ops[0], ms, None, False, torch.bfloat16)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        got = gk.grouped_gemm_wgrad(*ops, ms, out_dtype=out_dtype)
+        assert same_bits(got, twin.grouped_gemm_wgrad(*ops, ms, out_dtype=out_dtype))
+    out = torch.full((len(splits), 512, 768), float("nan"), device="cuda")  # written: nothing of it is read
+    assert gk.grouped_gemm_wgrad(*ops, ms, out=out) is out and same_bits(out, got)
+    m = sum(splits)
+    dy = quantize_blockwise(torch.randn(m, 512, device="cuda"), fp8_dtype=fp8)
+    x = quantize_blockwise(torch.randn(m, 768, device="cuda"))
+    dyt, xt = scaling_aware_transpose(dy, ms), scaling_aware_transpose(x, ms)
+    ref = grouped_gemm_wgrad(scaling_aware_transpose(dy, splits), scaling_aware_transpose(x, splits), splits,
+                             backend="reference")
+    assert relerr(grouped_gemm_wgrad(dyt, xt, ms, backend="gluon"), ref) < 2e-3
+
+
+@requires_gluon
+@pytest.mark.parametrize("n, k, splits", [(2048, 2048, [1024, 0, 384, 2048, 16]), (4096, 1024, [2048] * 3)],
+                         ids=["ragged", "even"])
+def test_wgrad_programs_walking_many_tiles_of_a_group(n, k, splits):
+    """More tiles per group than SMs: each program takes several tiles of one group before the next group."""
+    ops = wgrad_operands(splits, n, k)
+    ms = torch.tensor(splits, device="cuda")
+    assert same_bits(gk.grouped_gemm_wgrad(*ops, ms, out_dtype=torch.bfloat16),
+                     twin.grouped_gemm_wgrad(*ops, ms, out_dtype=torch.bfloat16))
+
+
+@requires_gluon
+def test_wgrad_nonfinite_values_reach_their_experts_as_in_the_twin():
+    splits = [256, 0, 384, 128]
+    ops = wgrad_operands(splits, nonfinite=True)
+    got = gk.grouped_gemm_wgrad(*ops, splits)
+    assert same_bits(got, twin.grouped_gemm_wgrad(*ops, splits))
+    assert not got[0].isfinite().all() and not got[3].isfinite().all() and got[2].isfinite().all()
+
+
+@requires_gluon
+def test_wgrad_calls_it_does_not_take_run_on_the_twin():
+    """Added into ``out``, rounded into it, G separate outputs, ragged host groups, an ``out`` off 16-byte alignment,
+    more than ``WGRAD_MAX_GROUPS`` groups: ``takes_wgrad`` is False and the twin's bits come back."""
+    splits = [256, 0, 384, 128]
+    ops = wgrad_operands(splits)
+    init = torch.randn(4, 512, 768, device="cuda")
+    for kw in (dict(accumulate=True), dict(out_dtype=torch.bfloat16), dict(accumulate=True, out_dtype=torch.bfloat16)):
+        got, want = init.clone(), init.clone()
+        assert not gk.takes_wgrad(ops[0], splits, got, kw.get("accumulate", False), kw.get("out_dtype", torch.float32))
+        gk.grouped_gemm_wgrad(*ops, splits, out=got, **kw)
+        twin.grouped_gemm_wgrad(*ops, splits, out=want, **kw)
+        assert same_bits(got, want)
+    parts = list(init.clone().unbind(0))
+    assert not gk.takes_wgrad(ops[0], splits, parts, False, torch.float32)
+    off = torch.empty(4 * 512 * 768 + 1, device="cuda")[1:].view(4, 512, 768)
+    assert not gk.takes_wgrad(ops[0], splits, off, False, torch.float32)
+    assert same_bits(gk.grouped_gemm_wgrad(*ops, splits, out=off), twin.grouped_gemm_wgrad(*ops, splits))
+    ragged = [100, 0, 300, 368]
+    rops = wgrad_operands(ragged)
+    assert not gk.takes_wgrad(rops[0], ragged, None, False, torch.bfloat16)
+    assert same_bits(gk.grouped_gemm_wgrad(*rops, ragged), twin.grouped_gemm_wgrad(*rops, ragged))
+    many = [16] * (gk.WGRAD_MAX_GROUPS.value + 1)
+    assert not gk.takes_wgrad(ops[0], many, None, False, torch.bfloat16)
+
+
+@requires_gluon
+def test_wgrad_no_host_sync_and_graph_replays_of_other_routings_equal_eager():
+    """Captured once with device splits, replayed after the routing (splits and operands, same buffers) changed:
+    the bits of an eager call on the new routing, with no host sync on the way."""
+    routings = [[512, 0, 256, 256], [0, 1024, 0, 0], [128, 256, 384, 256], [256] * 4]  # 8 column blocks each
+    ops = wgrad_operands(routings[0])
+    ms = torch.tensor(routings[0], device="cuda", dtype=torch.int32)
+    assert_no_host_sync(lambda: gk.grouped_gemm_wgrad(*ops, ms, out_dtype=torch.bfloat16))
+    static = [t.clone() for t in ops]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gk.grouped_gemm_wgrad(*static, ms, out_dtype=torch.bfloat16)  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gk.grouped_gemm_wgrad(*static, ms, out_dtype=torch.bfloat16)
+    for splits in routings[1:] + routings[:1]:
+        new = wgrad_operands(splits)
+        for s, t in zip(static, new):
+            s.copy_(t)
+        ms.copy_(torch.tensor(splits))
+        graph.replay()
+        assert same_bits(out, gk.grouped_gemm_wgrad(*new, splits, out_dtype=torch.bfloat16))
+
+
+@requires_gluon
+def test_auto_takes_the_gluon_wgrad_for_written_gradients_on_device_splits():
+    """Device splits, DeepGEMM's written wgrad not paying (under 8192 rows per expert), cuBLAS unable: ``auto``
+    runs a written wgrad on the Gluon column, one added into ``main_grad`` on another."""
+    a = torch.zeros(4096, dtype=E4M3, device="cuda")
+    ms = torch.tensor([1024] * 4, device="cuda")
+    call = GemmCall.of("wgrad", a, E4M3, ms, torch.bfloat16, 512 * 768, rows=4096)
+    assert _impl("auto", call, a, "t").name == "gluon"
+    acc = GemmCall.of("wgrad_accumulate", a, E4M3, ms, torch.float32, 512 * 768, rows=4096)
+    assert _impl("auto", acc, a, "t").name in ("triton", "deepgemm")

@@ -362,15 +362,19 @@ def test_cublas_pays_needs_rows_and_work_per_expert():
 
 
 @requires_cuda
-@pytest.mark.parametrize("n,k,rows,picked", [(2048, 7168, 512, "cublas"), (2048, 2048, 512, "triton"),
-                                             (2048, 2048, 2048, "cublas"), (4096, 7168, 384, "triton")])
+@pytest.mark.parametrize("n,k,rows,picked", [(2048, 7168, 512, "cublas"), (2048, 2048, 512, "own"),
+                                             (2048, 2048, 2048, "cublas"), (4096, 7168, 384, "own")])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gpu_auto_written_wgrad_takes_cublas_only_where_it_pays(n, k, rows, picked, out_dtype):
-    """A wgrad written, not added (BF16, or float32: overwrite_main_grad), has 'auto' order cuBLAS > Triton (no
-    DeepGEMM, which would zero and add): cuBLAS only for large expert GEMMs."""
+    """A wgrad written, not added (BF16, or float32: overwrite_main_grad), has 'auto' order cuBLAS > Gluon > Triton
+    (no DeepGEMM, which would zero and add): cuBLAS only for large expert GEMMs, else the Gluon kernel where it runs
+    (a Hopper GPU under Triton 3.6), Triton's elsewhere."""
+    from transformer_engine_moe.ops.grouped_gemm import gluon_available
+
     a = torch.empty(n, rows * 4, dtype=torch.float8_e4m3fn, device="cuda")
     impl = _impl("auto", GemmCall.of("wgrad", a, a.dtype, [rows] * 4, out_dtype, weight_elements=n * k), a, "t")
-    assert impl.name == picked
+    own = "gluon" if gluon_available(a.device) else "triton"
+    assert impl.name == (own if picked == "own" else picked)
 
 
 @requires_cuda
@@ -507,16 +511,17 @@ def test_auto_policy_per_shape(monkeypatch, deepgemm):
 @pytest.mark.parametrize("deepgemm", [True, False], ids=["with-deepgemm", "without-deepgemm"])
 def test_auto_policy_takes_gluon_before_triton(monkeypatch, deepgemm):
     """Where the Gluon kernel runs (a Hopper GPU under Triton 3.6: ``GemmCall.gluon``), fprop/dgrad that would have
-    gone to Triton go to it when N is a multiple of 256 (its tile), DeepGEMM and cuBLAS keeping their calls; its
-    wgrad is Triton's, so wgrads are unchanged; a backend='gluon' call it cannot take says why."""
+    gone to Triton go to it when N is a multiple of 256 (its tile), DeepGEMM and cuBLAS keeping their calls; so do
+    written wgrads (its kernel, or Triton's for what that does not take), but not wgrads added or rounded into
+    ``main_grad``; a backend='gluon' call it cannot take says why."""
     from transformer_engine_moe.kernels import grouped_gemm_deepgemm
 
     monkeypatch.setattr(grouped_gemm_deepgemm, "alignment", lambda: 128)
     bf16 = torch.bfloat16
 
-    def pick(kind, splits, weight, n, a=E4M3, **kw):
+    def pick(kind, splits, weight, n, a=E4M3, gluon=True, **kw):
         return auto_backend(GemmCall(kind, a, E4M3, splits, bf16, weight, deepgemm=deepgemm, cublaslt=True,
-                                     gluon=True, n=n, **kw))
+                                     gluon=gluon, n=n, **kw))
 
     dg_or = lambda other: "deepgemm" if deepgemm else other  # noqa: E731
     assert pick("fprop", QWEN_SPLITS, QWEN_FC1, 1536) == dg_or("gluon")
@@ -524,12 +529,24 @@ def test_auto_policy_takes_gluon_before_triton(monkeypatch, deepgemm):
     assert pick("fprop", [2048] * 64, V3_FC2, 7168) == dg_or("cublas")
     assert pick("fprop", QWEN_SPLITS, QWEN_FC2, 2048, a=E5M2) == "gluon"  # HYBRID's dgrad: never DeepGEMM
     assert pick("fprop", QWEN_SPLITS, 1408 * 2048, 1408) == dg_or("triton")  # N not a multiple of 256
-    assert pick("wgrad", QWEN_SPLITS, QWEN_FC1, 1536) == "triton"
+    assert pick("wgrad", QWEN_SPLITS, QWEN_FC1, 1536) == "gluon"
+    # device splits, under DeepGEMM's 8192 rows: the CUDA-graph path; Gluon under 4096 rows per expert on average
+    for sizes, picked in (([1024] * 128, "gluon"), ([2048] * 64, "gluon"), ([4096] * 32, "triton")):
+        assert pick("wgrad", torch.tensor(sizes), V3_FC1, 4096, rows=131072) == picked
+        assert pick("wgrad", torch.tensor(sizes), V3_FC1, 4096, rows=131072, gluon=False) == "triton"
+    assert pick("wgrad", torch.tensor([1024] * 32), V3_FC1, 4096, rows=32 * 4095) == "gluon"
+    assert pick("wgrad", torch.tensor([1024] * 32), V3_FC1, 4096, rows=32 * 4096) == "triton"  # M counts, not splits
+    for kind in ("wgrad_accumulate", "wgrad_rounded"):
+        assert pick(kind, QWEN_SPLITS, QWEN_FC1, 1536) in ("triton", "cublas", "deepgemm")
+        assert pick(kind, QWEN_SPLITS, QWEN_FC1, 1536) != "gluon"
     no = GemmCall("fprop", E4M3, E4M3, QWEN_SPLITS, bf16, QWEN_FC1, n=1408, gluon=True)
     assert why_not("gluon", no) == "it needs FP8 operands and N a multiple of 256, got N=1408"
     assert why_not("gluon", dataclasses.replace(no, gluon=False, n=1536)).startswith(
         "it needs a Hopper (SM90) GPU and Triton 3.6")
     assert why_not("gluon", dataclasses.replace(no, cuda=False)) == "it needs CUDA tensors"
+    assert why_not("gluon", dataclasses.replace(no, kind="wgrad")) is None
+    assert why_not("gluon", dataclasses.replace(no, kind="wgrad", gluon=False)).startswith(
+        "it needs a Hopper (SM90) GPU and Triton 3.6")
 
 
 def test_gluon_backend_refuses_cpu_tensors_by_name():

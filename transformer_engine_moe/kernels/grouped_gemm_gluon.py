@@ -1,4 +1,4 @@
-"""Grouped blockwise-FP8 fprop/dgrad in Gluon (Triton 3.6's Hopper dialect): warp-specialized, sync-free.
+"""Grouped blockwise-FP8 GEMMs in Gluon (Triton 3.6's Hopper dialect): warp-specialized, sync-free.
 
 Same signature and same math as ``kernels/grouped_gemm.py``'s ``grouped_gemm``, its Triton twin (which the CPU
 suite runs under the interpreter): ``C [M, N] = A @ B_g^T`` per group, A ``[M, R]`` FP8 with 1x128 scales
@@ -15,6 +15,15 @@ accumulator, so ptxas keeps the wgmmas asynchronous (an earlier draft that promo
 block's MMA in the same warpgroup had every wgmma serialized, ptxas C7514: half the rate). The other math
 warpgroup's MMAs run meanwhile, as DeepGEMM's two math warpgroups. docs/grouped_gemm.md has the measurements.
 
+``grouped_gemm_wgrad``: the twin of ``kernels/grouped_gemm.py``'s wgrad for a written ``C [G, N, K]`` (BF16 or
+float32; same promotion ``acc += dot_j * (sa_j[:, None] * sb_j[None, :])`` in token-block order, so the same bits),
+persistent: one program per SM walks the 128x128 tiles group by group. A loader warpgroup makes each group's TMA
+descriptors on the device (the expert-major operands have a row stride per group: groups of multiples of 16 rows),
+once per group after the previous group's loads have landed, and fills the ring; two math warpgroups own 64 of the
+tile's rows each, wait for their own MMA, free the stage, promote, and hand the tile to a TMA store from shared
+memory, which drains while they go on to their next tile. Other wgrads (added into ``out``, rounded, G separate
+outputs, ragged groups on the host) run on the twin.
+
 Written against Triton 3.6's Gluon API, which moves between releases: ``available`` is False on any other Triton
 (``auto`` then runs the twin).
 """
@@ -27,11 +36,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
+from triton.runtime import _allocation
 
-from ..layout import num_column_blocks
+from ..layout import all_multiples_of, check_on_device, num_column_blocks
 from . import is_hopper
-from .grouped_gemm import swizzled_tile, zero_weightless_rows
+from .grouped_gemm import grouped_gemm_wgrad as twin_wgrad, swizzled_tile, takes_tma_epilogue, zero_weightless_rows
 from .groups import group_sizes_arg
 
 TRITON_VERSION = "3.6"
@@ -39,6 +50,12 @@ BLOCK_N = 256  # two 128-column halves: one weight scale each
 # (NUM_STAGES, GROUP_M, math warpgroups' registers) measured on an H200 (docs/grouped_gemm.md)
 CONFIG = (4, 16, 232)
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
+# the wgrad's ring stages by output: BF16 6 (a 16 KiB tile per math warpgroup beside them), float32 4 (H200,
+# docs/grouped_gemm.md); its groups are looked up in WGRAD_MAX_GROUPS slots (warp_specialize hands constexprs to
+# the partitions as run-time values, so the slot count is a global)
+WGRAD_STAGES = {torch.bfloat16: 6, torch.float32: 4}
+WGRAD_MAX_GROUPS = gl.constexpr(256)
+WGRAD_ROW_ALIGNMENT = 16  # TMA: each group's row stride (its rows, in FP8 bytes) a multiple of 16 bytes
 
 
 @torch.compiler.assume_constant_result  # a host fact: torch.compile takes its value at trace time
@@ -204,3 +221,182 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
         R=r, MAX_GROUPS=max(max_groups, 32), GROUP_M=group_m, NUM_STAGES=num_stages, MATH_REGS=math_regs,
         num_warps=4, maxnreg=168)
     return zero_weightless_rows(c, m_splits, num_weights)
+
+
+# ------------------------------------------------------------------------------------------------------------ wgrad
+@gluon.jit
+def _group_extent(g, sizes_ptr, num_groups):
+    """Group g's (first row, rows, first 128-row block), as ``groups.group_extent``."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    i = gl.arange(0, WGRAD_MAX_GROUPS, layout=layout)
+    sizes = gl.load(sizes_ptr + i, mask=i < num_groups, other=0)
+    before = i < g
+    first_row = gl.sum(gl.where(before, sizes, 0), axis=0)
+    first_block = gl.sum(gl.where(before, (sizes + 127) // 128, 0), axis=0)
+    return first_row, gl.sum(gl.where(i == g, sizes, 0), axis=0), first_block
+
+
+@gluon.jit
+def _first_tile(g, per_group, pid, nprog):
+    """This program's first tile of group g (programs take tiles pid, pid + nprog, ...)."""
+    return g * per_group + (pid - g * per_group % nprog + nprog) % nprog
+
+
+@gluon.jit
+def _wgrad_loader(at_ptr, bt_ptr, a_bufs, b_bufs, ready, empty, sizes_ptr, num_groups, N, K):
+    """Group by group: the group's descriptors (dY_g^T ``[N, m_g]``, X_g^T ``[K, m_g]``; tokens past m_g
+    zero-filled) are made once, after the loads through the previous ones have landed (the ready barriers of the
+    last NUM_STAGES loads: the loader is their only producer), then this program's tiles of the group loaded."""
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    num_n = N // 128
+    per_group = num_n * (K // 128)
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    it = 0
+    for g in range(num_groups):
+        first_row, size, _ = _group_extent(g, sizes_ptr, num_groups)
+        blocks = (size + 127) // 128
+        t0 = _first_tile(g, per_group, pid, nprog)
+        if (blocks > 0) & (t0 < (g + 1) * per_group):
+            for q in range(NUM_STAGES):
+                if q < it:
+                    p = it - 1 - q
+                    mbarrier.wait(ready.index(p % NUM_STAGES), (p // NUM_STAGES) & 1)
+            a_desc = tma.make_tensor_descriptor(at_ptr + first_row.to(gl.int64) * N, [N, size], [size, 1],
+                                                [128, 128], a_bufs.type.layout)
+            b_desc = tma.make_tensor_descriptor(bt_ptr + first_row.to(gl.int64) * K, [K, size], [size, 1],
+                                                [128, 128], b_bufs.type.layout)
+            for t in range(t0, (g + 1) * per_group, nprog):
+                n0 = t % num_n * 128
+                k0 = (t // num_n) % (K // 128) * 128
+                for j in range(blocks):
+                    s = it % NUM_STAGES
+                    mbarrier.wait(empty.index(s), ((it // NUM_STAGES) & 1) ^ 1)  # barriers start with phase 1 done
+                    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(a_desc, [n0, j * 128], ready.index(s), a_bufs.index(s))
+                    tma.async_copy_global_to_shared(b_desc, [k0, j * 128], ready.index(s), b_bufs.index(s))
+                    it += 1
+
+
+@gluon.jit
+def _wgrad_math(a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K,
+                ROW0: gl.constexpr):
+    """Rows ROW0..ROW0+63 of each of the program's 128x128 tiles (the loader's walk; every tile, empty groups'
+    too: zeros), one warpgroup; the tile leaves through ``c_smem`` by a TMA store."""
+    NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    num_n = N // 128
+    num_k = K // 128
+    per_group = num_n * num_k
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    c_buf = c_smem.index(ROW0 // 64)
+    it = 0
+    for g in range(num_groups):
+        _, size, first_block = _group_extent(g, sizes_ptr, num_groups)
+        for t in range(_first_tile(g, per_group, pid, nprog), (g + 1) * per_group, nprog):
+            n0 = t % num_n * 128
+            k0 = (t // num_n) % num_k * 128
+            n_rows = n0 + ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+            k_cols = k0 + gl.arange(0, 128, layout=gl.SliceLayout(0, mma))
+            acc = gl.zeros([64, 128], gl.float32, mma)
+            for j in range((size + 127) // 128):
+                s = it % NUM_STAGES
+                mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
+                cur = warpgroup_mma(a_bufs.index(s).slice(ROW0, 64), b_bufs.index(s).permute((1, 0)),
+                                    gl.zeros([64, 128], gl.float32, mma), use_acc=False, is_async=True)
+                sa = gl.load(ats_ptr + (first_block + j) * N + n_rows)
+                sb = gl.load(bts_ptr + (first_block + j) * K + k_cols)
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(cur, ))
+                gl.thread_barrier()  # the warpgroup's four warps past block j's MMA
+                mbarrier.arrive(empty.index(s), count=1)
+                acc = acc + done * (sa[:, None] * sb[None, :])
+                it += 1
+            tma.store_wait(0)  # the buffer's previous tile has left (waited for by its issuing thread)
+            gl.thread_barrier()
+            c_buf.store(acc.to(c_desc.dtype))
+            fence_async_shared()
+            gl.thread_barrier()
+            tma.async_copy_shared_to_global(c_desc, [g * N + n0 + ROW0, k0], c_buf)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _wgrad_math_lo(a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K):
+    _wgrad_math(a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K, 0)
+
+
+@gluon.jit
+def _wgrad_math_hi(a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K):
+    _wgrad_math(a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K, 64)
+
+
+@gluon.jit
+def _grouped_wgrad_kernel(at_ptr, ats_ptr, bt_ptr, bts_ptr, c_desc, sizes_ptr, num_groups, N, K,
+                          NUM_STAGES: gl.constexpr, MATH_REGS: gl.constexpr, num_warps: gl.constexpr):
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, 128], at_ptr.dtype.element_ty)
+    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, 128], bt_ptr.dtype.element_ty)
+    a_bufs = gl.allocate_shared_memory(at_ptr.dtype.element_ty, [NUM_STAGES, 128, 128], a_layout)
+    b_bufs = gl.allocate_shared_memory(bt_ptr.dtype.element_ty, [NUM_STAGES, 128, 128], b_layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, 64, 128], c_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrive per math warpgroup
+    args = (a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K)
+    gl.warp_specialize([
+        (_wgrad_loader, (at_ptr, bt_ptr, a_bufs, b_bufs, ready, empty, sizes_ptr, num_groups, N, K)),
+        (_wgrad_math_lo, args),
+        (_wgrad_math_hi, args),
+    ], [4, 4], [MATH_REGS, MATH_REGS])
+
+
+def takes_wgrad(a_t: torch.Tensor, m_splits, out, accumulate: bool, out_dtype: torch.dtype) -> bool:
+    """Whether ``grouped_gemm_wgrad`` runs the Gluon kernel (else the twin): on a Hopper GPU under Triton 3.6, a
+    written (not added, not rounded into ``out``) BF16 or float32 ``C`` in one ``[G, N, K]`` (new, or a contiguous
+    16-byte aligned ``out``), at most ``WGRAD_MAX_GROUPS`` groups of multiples of ``WGRAD_ROW_ALIGNMENT`` rows: a
+    host list checked here, a device tensor on the device (no host sync)."""
+    if accumulate or not (a_t.is_cuda and available(a_t.device)) or out_dtype not in WGRAD_STAGES:
+        return False
+    if out is not None and (isinstance(out, list) or out_dtype != torch.float32 or not takes_tma_epilogue(out)):
+        return False
+    if isinstance(m_splits, torch.Tensor):
+        return m_splits.numel() <= WGRAD_MAX_GROUPS.value
+    return len(m_splits) <= WGRAD_MAX_GROUPS.value and all_multiples_of(m_splits, WGRAD_ROW_ALIGNMENT)
+
+
+def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
+                       out_dtype=torch.float32, config=None):
+    """As ``kernels.grouped_gemm.grouped_gemm_wgrad`` (its twin; same arguments, same bits): the Gluon kernel where
+    ``takes_wgrad``, the twin otherwise. Device-tensor splits must then be multiples of 16 rows (asserted on the
+    device, as DeepGEMM's 128). ``config``: ``(NUM_STAGES, math registers)`` (``WGRAD_STAGES``, 232)."""
+    if not takes_wgrad(a_t, m_splits, out, accumulate, out_dtype):
+        return twin_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out, accumulate, out_dtype)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    n, k = a_t_scale_inv.shape[1], b_t_scale_inv.shape[1]
+    sizes, g, _, _ = group_sizes_arg(m_splits, a_t.device)
+    if isinstance(m_splits, torch.Tensor):
+        check_on_device((sizes % WGRAD_ROW_ALIGNMENT == 0).all(),
+                        f"grouped_gemm_wgrad (gluon): every group's rows must be a multiple of {WGRAD_ROW_ALIGNMENT}")
+    if out is None:
+        out = torch.empty((g, n, k), dtype=out_dtype, device=a_t.device)
+    total = g * (n // 128) * (k // 128)
+    if total == 0:
+        return out
+    num_stages, math_regs = config or (WGRAD_STAGES[out.dtype], 232)
+    gl_out = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32
+    c_desc = TensorDescriptor(out.view(g * n, k), [g * n, k], [k, 1], [64, 128],
+                              gl.NVMMASharedLayout.get_default_for([64, 128], gl_out))
+    sms = torch.cuda.get_device_properties(a_t.device).multi_processor_count
+    # the device-made descriptors' scratch (a stream-ordered torch buffer), for this launch only
+    token = _allocation._allocator.set(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                             device=a_t.device))
+    try:
+        _grouped_wgrad_kernel[(min(total, sms),)](
+            a_t, a_t_scale_inv, b_t, b_t_scale_inv, c_desc, sizes, g, n, k,
+            NUM_STAGES=num_stages, MATH_REGS=math_regs, num_warps=4, maxnreg=168)
+    finally:
+        _allocation._allocator.reset(token)
+    return out

@@ -14,9 +14,10 @@ each, same signatures):
   dim), wgrad groups of multiples of 128 rows, see ``kernels/grouped_gemm_cublas.py``.
 - ``"triton"``: one launch per GEMM over all experts; group sizes read on the
   device (``m_splits`` may be a device tensor: no host sync, CUDA-graph safe); any sizes.
-- ``"gluon"`` (``kernels/grouped_gemm_gluon.py``, Hopper under Triton 3.6): fprop/dgrad as ``"triton"`` (one
-  launch, host or device splits, bitwise the same output) on a warp-specialized Gluon kernel, N a multiple of 256;
-  its wgrad is Triton's.
+- ``"gluon"`` (``kernels/grouped_gemm_gluon.py``, Hopper under Triton 3.6): as ``"triton"`` (one launch, host or
+  device splits, bitwise the same output) on warp-specialized Gluon kernels: fprop/dgrad for N a multiple of 256;
+  a written wgrad (BF16 or float32, one ``[G, N, K]``) for groups of multiples of 16 rows (device splits: asserted
+  on the device), its other wgrads on Triton's kernel.
 
 Every backend takes a trailing weightless group (``m_splits`` with one group more than the weight
 has experts): fprop/dgrad write zeros there without computing them, wgrad (``num_groups``) never
@@ -31,7 +32,7 @@ reads those rows. ``FP8FlowMoE(device_splits=True)`` puts its worst-case buffer'
 Host splits: the cuBLAS backend reads the per-expert row counts on the host (so does DeepGEMM's
 wgrad on a release not in ``DEVICE_SPLITS_WGRAD``). It uses the list the dispatcher already holds
 (``tokens_per_expert``), never a copy of a device tensor: a device tensor sends those calls to
-DeepGEMM (wgrads: ``deepgemm_pays``), Gluon (fprop/dgrad) or Triton. What the kernels read of a
+DeepGEMM (wgrads: ``deepgemm_pays``), Gluon or Triton. What the kernels read of a
 host list on the device (group sizes, DeepGEMM's per-row groups) is made once per (splits, stream)
 and shared by the layer's GEMMs and transposes (``layout.m_splits_tensor``, ``layout.row_groups``).
 
@@ -63,10 +64,15 @@ GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "gluon", "triton", "reference")
 # Gluon's fprop/dgrad before Triton's: 1004-1013 TFLOP/s against 789-791 at DeepSeek-V3's 7168 -> 4096, 850 against
 # 711 at 2048 -> 7168, 830 / 551 against 689 / 500 at Qwen3's 2048 -> 1536 / 768 -> 2048 (H200, same call; DeepGEMM
 # 1058-1211 in it, docs/grouped_gemm.md).
+# Gluon's written wgrad before Triton's where the experts average under GLUON_WGRAD_MAX_MEAN_ROWS (H200, 2026-12-02,
+# bench_grouped_gemm_gluon_wgrad_h200.md, TFLOP/s fc1 / fc2, BF16 out): 671 / 664 against 599 / 588 at 1024 rows per
+# expert, 717 / 705 against 697 / 685 at 2048, level at 4096 (736 / 659 against 740 / 668); in the captured DeepSeek-V3
+# block 53.9 against 56.8 ms at 128 experts, 45.8 against 45.1 ms at 32 (same process). docs/grouped_gemm.md.
+GLUON_WGRAD_MAX_MEAN_ROWS = 4096
 # A wgrad rounded to BF16 into ``out`` ("wgrad_rounded": DDP's hook's sums, ``GroupedLinear.add_wgrad_into_main_grad``):
 # Triton rounds and adds in its epilogue, where cuBLAS and DeepGEMM write the BF16 gradient and it is then added, a
 # pass over ``main_grad``; so cuBLAS needs larger experts there (``CUBLAS_MIN_MEAN_ROWS``).
-AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "gluon", "triton"), "wgrad": ("cublas", "deepgemm", "triton"),
+AUTO_ORDER = {"fprop": ("deepgemm", "cublas", "gluon", "triton"), "wgrad": ("cublas", "deepgemm", "gluon", "triton"),
               "wgrad_accumulate": ("cublas", "deepgemm", "triton"), "wgrad_rounded": ("cublas", "deepgemm", "triton")}
 # A written wgrad on DeepGEMM (a zeroed float32 [G, N, K] accumulated, then cast: 4 bytes per weight element for
 # the call) pays only for large experts. Device splits (the CUDA-graph path, where cuBLAS cannot run), H200
@@ -100,6 +106,13 @@ def deepgemm_pays(call: "GemmCall") -> bool:
     groups = len(call.m_splits)
     written = call.kind in ("wgrad", "wgrad_rounded")
     return not written or groups > 0 and call.rows >= DEEPGEMM_WRITTEN_MIN_MEAN_ROWS * groups
+
+
+def gluon_pays(call: "GemmCall") -> bool:
+    """Whether "auto" may take the Gluon column for ``call``: always but for a written wgrad, there where the experts
+    average under ``GLUON_WGRAD_MAX_MEAN_ROWS`` rows (``call.rows`` over the groups)."""
+    groups = len(call.m_splits)
+    return call.kind != "wgrad" or groups > 0 and call.rows < GLUON_WGRAD_MAX_MEAN_ROWS * groups
 
 
 def cublas_pays(kind: str, m_splits: list, weight_elements: int) -> bool:
@@ -170,10 +183,10 @@ def why_not(backend: str, call: GemmCall) -> Optional[str]:
         return "it needs CUDA tensors"
     wgrad = call.kind != "fprop"
     if backend == "gluon":
-        if wgrad:
-            return None  # Triton's wgrad
         if not call.gluon:
             return "it needs a Hopper (SM90) GPU and Triton 3.6 (the Gluon API it is written against)"
+        if wgrad:
+            return None  # what its kernel does not take (grouped_gemm_gluon.takes_wgrad) runs on Triton's
         return None if _gluon().supports(call.a_dtype, call.b_dtype, call.n, call.out_dtype) else (
             f"it needs FP8 operands and N a multiple of {_gluon().BLOCK_N}, got N={call.n}")
     if backend == "deepgemm":
@@ -203,14 +216,15 @@ def why_not(backend: str, call: GemmCall) -> Optional[str]:
 
 def auto_backend(call: GemmCall, skip: tuple = ()) -> Optional[str]:
     """The backend ``"auto"`` runs ``call`` on: on the GPU the first of ``AUTO_ORDER[call.kind]`` (less ``skip``)
-    that can run it, cuBLAS only where ``cublas_pays``; None where none can (the reference off the GPU)."""
+    that can run it, cuBLAS, DeepGEMM and Gluon only where they pay (``cublas_pays``, ``deepgemm_pays``,
+    ``gluon_pays``); None where none can (the reference off the GPU)."""
     if not call.cuda:
         return None
     for name in (n for n in AUTO_ORDER[call.kind] if n not in skip):
         if name == "cublas" and isinstance(call.m_splits, list) and not cublas_pays(call.kind, call.m_splits,
                                                                                      call.weight_elements):
             continue
-        if name == "deepgemm" and not deepgemm_pays(call):
+        if name == "deepgemm" and not deepgemm_pays(call) or name == "gluon" and not gluon_pays(call):
             continue
         if why_not(name, call) is None:
             return name
