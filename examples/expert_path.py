@@ -5,7 +5,7 @@ it is: Megatron's experts, or the FP8-Flow block with the device and backends it
 every op is the plain-PyTorch reference; on a GPU the Triton kernels, and for each grouped GEMM the first of
 ``AUTO_ORDER`` that can run it (DeepGEMM where it imports on a Hopper GPU, cuBLAS for experts averaging at
 least ``CUBLAS_MIN_MEAN_ROWS`` rows and that many rows of a ``CUBLAS_MIN_WEIGHT`` weight's multiply-adds,
-where cuBLASLt >= 12.9 runs on a Hopper GPU, else Triton).
+where cuBLASLt >= 12.9 runs on a Hopper GPU, the Gluon kernels on a Hopper GPU under Triton 3.6, else Triton).
 """
 
 from __future__ import annotations
