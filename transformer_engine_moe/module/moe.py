@@ -72,7 +72,9 @@ class FP8FlowMoE(nn.Module):
             ``"local"`` without an EP group, else ``"alltoall"``.
         recipe: ``FP8FlowRecipe``; recompute: None or ``"moe_expert"``.
         align_size: experts' rows padded to a multiple of this (128: the tile DeepGEMM's grouped
-            GEMMs and cuBLAS's wgrad need, docs/grouped_gemm.md).
+            GEMMs and cuBLAS's wgrad need, docs/grouped_gemm.md). With ``device_splits`` the counts are
+            not seen on the host: DeepGEMM (128) and the Gluon written wgrad (16) assert their alignment on
+            the device, so keep it a multiple of 128 there.
         init_method, output_init_method: in-place initialisers of fc1's and fc2's weights (Megatron's
             ``config.init_method`` / ``output_layer_init_method``); default: as ``GroupedLinear``.
         device_splits: keep the per-expert counts on the device (local dispatcher only): no host sync,
