@@ -98,15 +98,22 @@ def _block_rows(b, sizes_ptr, num_groups, MAX_GROUPS: gl.constexpr, layout: gl.c
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, start, b_row, KB: gl.constexpr):
-    """TMA loads of K block kb's A and B tiles into ring slot kb % NUM_STAGES once both math warpgroups freed it."""
+def _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, a_row, b_row, col):
+    """TMA loads of the ``it``-th A and B tiles (rows ``a_row`` / ``b_row``, columns from ``col``) into ring slot
+    ``it % NUM_STAGES`` once both math warpgroups freed it."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    s = it % NUM_STAGES
+    mbarrier.wait(empty.index(s), ((it // NUM_STAGES) & 1) ^ 1)  # barriers start with phase 1 complete
+    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(a_desc, [a_row, col], ready.index(s), a_bufs.index(s))
+    tma.async_copy_global_to_shared(b_desc, [b_row, col], ready.index(s), b_bufs.index(s))
+
+
+@gluon.jit
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, start, b_row, KB: gl.constexpr):
+    """K block kb's A and B tiles into ring slot kb % NUM_STAGES."""
     for kb in range(KB):
-        s = kb % NUM_STAGES
-        mbarrier.wait(empty.index(s), ((kb // NUM_STAGES) & 1) ^ 1)  # barriers start with phase 1 complete
-        mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(a_desc, [start, kb * 128], ready.index(s), a_bufs.index(s))
-        tma.async_copy_global_to_shared(b_desc, [b_row, kb * 128], ready.index(s), b_bufs.index(s))
+        _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, kb, start, b_row, kb * 128)
 
 
 @gluon.jit
@@ -270,11 +277,7 @@ def _wgrad_loader(at_ptr, bt_ptr, a_bufs, b_bufs, ready, empty, sizes_ptr, num_g
                 n0 = t % num_n * 128
                 k0 = (t // num_n) % (K // 128) * 128
                 for j in range(blocks):
-                    s = it % NUM_STAGES
-                    mbarrier.wait(empty.index(s), ((it // NUM_STAGES) & 1) ^ 1)  # barriers start with phase 1 done
-                    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-                    tma.async_copy_global_to_shared(a_desc, [n0, j * 128], ready.index(s), a_bufs.index(s))
-                    tma.async_copy_global_to_shared(b_desc, [k0, j * 128], ready.index(s), b_bufs.index(s))
+                    _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, n0, k0, j * 128)
                     it += 1
 
 
