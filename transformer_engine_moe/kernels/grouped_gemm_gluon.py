@@ -98,6 +98,18 @@ def _block_rows(b, sizes_ptr, num_groups, MAX_GROUPS: gl.constexpr, layout: gl.c
 
 
 @gluon.jit
+def _ring_barriers(NUM_STAGES: gl.constexpr):
+    """The ring's (ready, empty) mbarriers, one per stage: ready completes when a stage's TMA loads land (one
+    arrive, the loader's expect), empty when both math warpgroups are done with the stage (one arrive each)."""
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    return ready, empty
+
+
+@gluon.jit
 def _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, a_row, b_row, col):
     """TMA loads of the ``it``-th A and B tiles (rows ``a_row`` / ``b_row``, columns from ``col``) into ring slot
     ``it % NUM_STAGES`` once both math warpgroups freed it."""
@@ -182,11 +194,7 @@ def _grouped_gemm_kernel(
     if count > 0:
         a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, 128, 128], a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, 256, 128], b_desc.layout)
-        ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(NUM_STAGES):
-            mbarrier.init(ready.index(i), count=1)
-            mbarrier.init(empty.index(i), count=2)  # one arrive per math warpgroup
+        ready, empty = _ring_barriers(NUM_STAGES)
         args = (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, start, count, g, pid_n, N,
                 stride_bsg, stride_bsr, stride_bsn, KB)
         gl.warp_specialize([
@@ -342,11 +350,7 @@ def _grouped_wgrad_kernel(at_ptr, ats_ptr, bt_ptr, bts_ptr, c_desc, sizes_ptr, n
     a_bufs = gl.allocate_shared_memory(at_ptr.dtype.element_ty, [NUM_STAGES, 128, 128], a_layout)
     b_bufs = gl.allocate_shared_memory(bt_ptr.dtype.element_ty, [NUM_STAGES, 128, 128], b_layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, 64, 128], c_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(NUM_STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=2)  # one arrive per math warpgroup
+    ready, empty = _ring_barriers(NUM_STAGES)
     args = (a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K)
     gl.warp_specialize([
         (_wgrad_loader, (at_ptr, bt_ptr, a_bufs, b_bufs, ready, empty, sizes_ptr, num_groups, N, K)),
