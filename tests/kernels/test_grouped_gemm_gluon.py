@@ -1,11 +1,11 @@
 """The Gluon kernels (``kernels/grouped_gemm_gluon.py``) against their Triton twins, bit for bit, and the float32
-reference. fprop/dgrad: ragged, empty and single-expert groups (any sizes, not only multiples of 128), a trailing
-weightless group, host and device splits, E4M3 and E5M2 activations, BF16 and float32 output, zeros and
-non-finite values; no host sync; what ``auto`` picks; GroupedLinear on it. wgrad: groups of multiples of 16 rows
-(empty, small, ragged; programs walking many tiles of a group), host and device splits, E4M3 and E5M2 dY, BF16 and
-float32 written, non-finite values; the calls it leaves to the twin; no host sync; replays of a CUDA graph with
-other routings. The twins run on the CPU suite under the interpreter (tests/ops/test_grouped_gemm.py); these
-kernels need a Hopper GPU under Triton 3.6."""
+reference. fprop/dgrad: ragged, empty and single-expert groups (any sizes, not only multiples of 128), programs
+walking many tiles, more groups than the kernel takes, a trailing weightless group, host and device splits, E4M3
+and E5M2 activations, BF16 and float32 output, zeros and non-finite values; no host sync; what ``auto`` picks;
+GroupedLinear on it. wgrad: groups of multiples of 16 rows (empty, small, ragged; programs walking many tiles of a
+group), host and device splits, E4M3 and E5M2 dY, BF16 and float32 written, non-finite values; the calls it leaves
+to the twin; no host sync; replays of a CUDA graph with other routings. The twins run on the CPU suite under the
+interpreter (tests/ops/test_grouped_gemm.py); these kernels need a Hopper GPU under Triton 3.6."""
 
 import pytest
 import torch
@@ -81,6 +81,20 @@ def test_trailing_weightless_group_and_empty_input():
     assert same_bits(got, twin.grouped_gemm(*raw(x), *raw(w), ms)) and (got[512:] == 0).all()
     empty, _ = operands([0, 0, 0, 0])
     assert gk.grouped_gemm(*raw(empty), *raw(w), [0, 0, 0, 0]).shape == (0, 512)
+
+
+@requires_gluon
+@pytest.mark.parametrize("as_tensor", [False, True], ids=["list", "tensor"])
+def test_programs_walk_many_tiles_and_groups(as_tensor):
+    """The persistent walk: more tiles than SMs, so each program takes several, full tiles (TMA-stored) beside
+    partial ones (masked stores) over 40 ragged groups; more than ``MAX_GROUPS`` groups run on the twin."""
+    gen = torch.Generator().manual_seed(7)
+    for splits in (torch.randint(0, 700, (40,), generator=gen).tolist(), [3] * (gk.MAX_GROUPS.value + 1)):
+        x, w = operands(splits, n=1024, k=256)
+        ms = torch.tensor(splits, device="cuda", dtype=torch.int32) if as_tensor else splits
+        for out_dtype in (torch.bfloat16, torch.float32):
+            got = gk.grouped_gemm(*raw(x), *raw(w), ms, out_dtype)
+            assert same_bits(got, twin.grouped_gemm(*raw(x), *raw(w), ms, out_dtype))
 
 
 @requires_gluon
@@ -186,7 +200,7 @@ def test_wgrad_nonfinite_values_reach_their_experts_as_in_the_twin():
 @requires_gluon
 def test_wgrad_calls_it_does_not_take_run_on_the_twin():
     """Added into ``out``, rounded into it, G separate outputs, ragged host groups, an ``out`` off 16-byte alignment,
-    more than ``WGRAD_MAX_GROUPS`` groups: ``takes_wgrad`` is False and the twin's bits come back."""
+    more than ``MAX_GROUPS`` groups: ``takes_wgrad`` is False and the twin's bits come back."""
     splits = [256, 0, 384, 128]
     ops = wgrad_operands(splits)
     init = torch.randn(4, 512, 768, device="cuda")
@@ -205,7 +219,7 @@ def test_wgrad_calls_it_does_not_take_run_on_the_twin():
     rops = wgrad_operands(ragged)
     assert not gk.takes_wgrad(rops[0], ragged, None, False, torch.bfloat16)
     assert same_bits(gk.grouped_gemm_wgrad(*rops, ragged), twin.grouped_gemm_wgrad(*rops, ragged))
-    many = [16] * (gk.WGRAD_MAX_GROUPS.value + 1)
+    many = [16] * (gk.MAX_GROUPS.value + 1)
     assert not gk.takes_wgrad(ops[0], many, None, False, torch.bfloat16)
 
 

@@ -1,4 +1,4 @@
-"""Grouped blockwise-FP8 GEMMs in Gluon (Triton 3.6's Hopper dialect): warp-specialized, sync-free.
+"""Grouped blockwise-FP8 GEMMs in Gluon (Triton 3.6's Hopper dialect): warp-specialized, persistent, sync-free.
 
 Same signature and same math as ``kernels/grouped_gemm.py``'s ``grouped_gemm``, its Triton twin (which the CPU
 suite runs under the interpreter): ``C [M, N] = A @ B_g^T`` per group, A ``[M, R]`` FP8 with 1x128 scales
@@ -7,25 +7,30 @@ suite runs under the interpreter): ``C [M, N] = A @ B_g^T`` per group, A ``[M, R
 read on the device (a host list or a device tensor: no host sync, CUDA-graph capturable), a trailing
 weightless group written as zeros; 128-row blocks whose rows are all padding are skipped without loading.
 
-One program per (group-relative 128-row block, 256-column tile), three partitions: a loader warp issues the TMA
-loads of A ``[128, 128]`` and B ``[256, 128]`` into a ``NUM_STAGES`` ring (ready/empty mbarriers), and two math
-warpgroups own 64 rows each. A math warpgroup multiplies and promotes the tile's two 128-column halves in turn
-(one weight scale each), waiting for each MMA before promoting it: nothing of its own in flight while it reads an
-accumulator, so ptxas keeps the wgmmas asynchronous (an earlier draft that promoted one block under the next
-block's MMA in the same warpgroup had every wgmma serialized, ptxas C7514: half the rate). The other math
-warpgroup's MMAs run meanwhile, as DeepGEMM's two math warpgroups. docs/grouped_gemm.md has the measurements.
+One program per SM walks the (group-relative 128-row block, 256-column tile) tiles in the twin's swizzled order,
+three partitions: a loader warp issues the TMA loads of A ``[128, 128]`` and B ``[256, 128]`` into a
+``NUM_STAGES`` ring (ready/empty mbarriers) and runs on into the next tile while the math warpgroups write the
+last one; two math warpgroups own 64 rows each. A math warpgroup multiplies and promotes the tile's two
+128-column halves in turn (one weight scale each), waiting for each MMA before promoting it: nothing of its own in
+flight while it reads an accumulator, so ptxas keeps the wgmmas asynchronous (an earlier draft that promoted one
+block under the next block's MMA in the same warpgroup had every wgmma serialized, ptxas C7514: half the rate). The
+other math warpgroup's MMAs run meanwhile, as DeepGEMM's two math warpgroups. A tile of 128 rows of one group
+leaves through shared memory by TMA stores; a partial one (its rows past the group are the next group's) by
+masked stores. docs/grouped_gemm.md has the measurements.
 
 ``grouped_gemm_wgrad``: the twin of ``kernels/grouped_gemm.py``'s wgrad for a written ``C [G, N, K]`` (BF16 or
 float32; same promotion ``acc += dot_j * (sa_j[:, None] * sb_j[None, :])`` in token-block order, so the same bits),
-persistent: one program per SM walks the 128x128 tiles group by group. A loader warpgroup makes each group's TMA
-descriptors on the device (the expert-major operands have a row stride per group: groups of multiples of 16 rows),
-once per group after the previous group's loads have landed, and fills the ring; two math warpgroups own 64 of the
-tile's rows each, wait for their own MMA, free the stage, promote, and hand the tile to a TMA store from shared
-memory, which drains while they go on to their next tile. Other wgrads (added into ``out``, rounded, G separate
-outputs, ragged groups on the host) run on the twin.
+persistent: one program per SM walks the 128x128 tiles group by group, in bands of ``WGRAD_GROUP_N`` 128-row
+strips of N. A loader warpgroup makes each group's TMA descriptors on the device (the expert-major operands have a
+row stride per group: groups of multiples of 16 rows), once per group after the previous group's loads have
+landed, and fills the ring: each stage holds the two FP8 tiles and their token block's scales (two 512-byte TMA
+loads), so the math warpgroups read the scales from shared memory. Two math warpgroups own 64 of the tile's rows
+each, wait for their own MMA, free the stage, promote, and hand the tile to a TMA store from shared memory, which
+drains while they go on to their next tile. Other wgrads (added into ``out``, rounded, G separate outputs, ragged
+groups on the host) run on the twin.
 
-Written against Triton 3.6's Gluon API, which moves between releases: ``available`` is False on any other Triton
-(``auto`` then runs the twin).
+Both take at most ``MAX_GROUPS`` groups (more run on the twin). Written against Triton 3.6's Gluon API, which
+moves between releases: ``available`` is False on any other Triton (``auto`` then runs the twin).
 """
 
 from __future__ import annotations
@@ -42,19 +47,25 @@ from triton.runtime import _allocation
 
 from ..layout import all_multiples_of, check_on_device, num_column_blocks
 from . import is_hopper
-from .grouped_gemm import grouped_gemm_wgrad as twin_wgrad, swizzled_tile, takes_tma_epilogue, zero_weightless_rows
+from .grouped_gemm import (grouped_gemm as twin_gemm, grouped_gemm_wgrad as twin_wgrad, swizzled_tile,
+                           takes_tma_epilogue, zero_weightless_rows)
 from .groups import group_sizes_arg
 
 TRITON_VERSION = "3.6"
 BLOCK_N = 256  # two 128-column halves: one weight scale each
-# (NUM_STAGES, GROUP_M, math warpgroups' registers) measured on an H200 (docs/grouped_gemm.md)
+# (NUM_STAGES, GROUP_M, math warpgroups' registers) measured on an H200 (docs/grouped_gemm.md); a float32 C takes
+# FPROP_FLOAT32_STAGES (its [2, 64, 128] staging tile beside 48 KiB stages)
 CONFIG = (4, 16, 232)
+FPROP_FLOAT32_STAGES = 3
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5}
-# the wgrad's ring stages by output: BF16 6 (a 16 KiB tile per math warpgroup beside them), float32 4 (H200,
-# docs/grouped_gemm.md); its groups are looked up in WGRAD_MAX_GROUPS slots (warp_specialize hands constexprs to
-# the partitions as run-time values, so the slot count is a global)
-WGRAD_STAGES = {torch.bfloat16: 6, torch.float32: 4}
-WGRAD_MAX_GROUPS = gl.constexpr(256)
+_GL_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
+# groups are looked up in MAX_GROUPS slots (warp_specialize hands constexprs to the partitions as run-time values,
+# so the slot count is a global); more groups run on the twin
+MAX_GROUPS = gl.constexpr(256)
+# the wgrad's ring stages by output: BF16 5, float32 4 (33 KiB stages beside a 32 / 64 KiB staging tile), and its
+# tile order, bands of WGRAD_GROUP_N 128-row strips of N (H200, docs/grouped_gemm.md)
+WGRAD_STAGES = {torch.bfloat16: 5, torch.float32: 4}
+WGRAD_GROUP_N = gl.constexpr(8)
 WGRAD_ROW_ALIGNMENT = 16  # TMA: each group's row stride (its rows, in FP8 bytes) a multiple of 16 bytes
 
 
@@ -81,20 +92,21 @@ def _add(a, b):
 
 
 @gluon.jit
-def _block_rows(b, sizes_ptr, num_groups, MAX_GROUPS: gl.constexpr, layout: gl.constexpr):
-    """(first row, row count, group) of group-relative 128-row block ``b`` (count 0: past the groups), as the
-    twin's ``groups.column_block_rows``."""
-    g = gl.arange(0, MAX_GROUPS, layout=layout)
+def _tile(t, num_pid_m, num_pid_n, GROUP_M, sizes_ptr, num_groups):
+    """Tile ``t``'s (first row, row count, group, column tile): its group-relative 128-row block as the twin's
+    ``groups.column_block_rows`` (count 0: past the groups), in the twin's swizzled order."""
+    pid_m, pid_n = swizzled_tile(t, num_pid_m, num_pid_n, GROUP_M)
+    g = gl.arange(0, MAX_GROUPS, layout=gl.BlockedLayout([1], [32], [4], [0]))
     sizes = gl.load(sizes_ptr + g, mask=g < num_groups, other=0)
     blocks = (sizes + 127) // 128
-    gi = gl.sum((gl.associative_scan(blocks, 0, _add) <= b).to(gl.int32), axis=0)
+    gi = gl.sum((gl.associative_scan(blocks, 0, _add) <= pid_m).to(gl.int32), axis=0)
     before = g < gi
     first_row = gl.sum(gl.where(before, sizes, 0), axis=0)
     first_block = gl.sum(gl.where(before, blocks, 0), axis=0)
     size = gl.sum(gl.where(g == gi, sizes, 0), axis=0)
-    start = first_row + (b - first_block) * 128
+    start = first_row + (pid_m - first_block) * 128
     count = gl.maximum(gl.minimum(first_row + size - start, 128), 0)
-    return start, count, gi
+    return start, count, gi, pid_n
 
 
 @gluon.jit
@@ -110,131 +122,170 @@ def _ring_barriers(NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, a_row, b_row, col):
+def _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, a_row, b_row, col, extra_bytes=0):
     """TMA loads of the ``it``-th A and B tiles (rows ``a_row`` / ``b_row``, columns from ``col``) into ring slot
-    ``it % NUM_STAGES`` once both math warpgroups freed it."""
+    ``it % NUM_STAGES`` once both math warpgroups freed it; the slot's ready barrier also expects ``extra_bytes``
+    (the caller's further loads into the slot)."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     s = it % NUM_STAGES
     mbarrier.wait(empty.index(s), ((it // NUM_STAGES) & 1) ^ 1)  # barriers start with phase 1 complete
-    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes + extra_bytes)
     tma.async_copy_global_to_shared(a_desc, [a_row, col], ready.index(s), a_bufs.index(s))
     tma.async_copy_global_to_shared(b_desc, [b_row, col], ready.index(s), b_bufs.index(s))
 
 
 @gluon.jit
-def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, start, b_row, KB: gl.constexpr):
-    """K block kb's A and B tiles into ring slot kb % NUM_STAGES."""
-    for kb in range(KB):
-        _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, kb, start, b_row, kb * 128)
+def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sizes_ptr, num_groups, N, num_pid_m, GROUP_M,
+            KB: gl.constexpr):
+    """This program's tiles (``t = pid, pid + programs, ...``, past-the-groups tiles skipped): K block kb's A and
+    B tiles into the ring, on into the next tile while the math warpgroups write the last."""
+    num_pid_n = N // 256
+    it = 0
+    for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        start, count, g, pid_n = _tile(t, num_pid_m, num_pid_n, GROUP_M, sizes_ptr, num_groups)
+        if count > 0:
+            for kb in range(KB):
+                _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it + kb, start, g * N + pid_n * 256,
+                            kb * 128)
+            it += KB
 
 
 @gluon.jit
-def _math(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, start, count, g, pid_n, N,
-          stride_bsg, stride_bsr, stride_bsn, KB: gl.constexpr, ROW0: gl.constexpr):
-    """Rows ROW0..ROW0+63 of the 128x256 tile, one warpgroup: per K block each 128-column half's MMA, waited
-    for, then promoted into that half's accumulator."""
+def _write_half(acc, c_desc, c_buf, c_ptr, row, rows, row_ok, full, col, N):
+    """A 64x128 half of the warpgroup's tile (rows ``rows`` from ``row``, columns from ``col``): TMA-stored through
+    ``c_buf``
+    when the tile is ``full`` (128 rows of one group), else masked stores (the rows past the group are another
+    tile's)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    if full:
+        tma.store_wait(0)  # the buffer's previous tile has left (waited for by its issuing thread)
+        gl.thread_barrier()
+        c_buf.store(acc.to(c_desc.dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(c_desc, [row, col], c_buf)
+    else:
+        cols = col + gl.arange(0, 128, layout=gl.SliceLayout(0, mma))
+        gl.store(c_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+
+
+@gluon.jit
+def _math(a_bufs, b_bufs, ready, empty, c_smem, c_desc, as_ptr, bs_ptr, c_ptr, sizes_ptr, num_groups, N,
+          num_pid_m, GROUP_M, stride_bsg, stride_bsr, stride_bsn, KB: gl.constexpr, ROW0: gl.constexpr):
+    """Rows ROW0..ROW0+63 of each of the program's 128x256 tiles (the loader's walk), one warpgroup: per K block
+    each 128-column half's MMA, waited for, then promoted into that half's accumulator; the halves leave in turn
+    through ``c_smem[ROW0 // 64]``."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
-    rows = start + ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-    row_ok = rows < start + count
-    sa_row = as_ptr + rows.to(gl.int64) * KB
-    sb_base = bs_ptr + g * stride_bsg + 2 * pid_n * stride_bsn
-    acc_lo = gl.zeros([64, 128], gl.float32, mma)
-    acc_hi = gl.zeros([64, 128], gl.float32, mma)
-    for kb in range(KB):
-        s = kb % NUM_STAGES
-        mbarrier.wait(ready.index(s), (kb // NUM_STAGES) & 1)
-        a_tile = a_bufs.index(s).slice(ROW0, 64)
-        sa = gl.load(sa_row + kb, mask=row_ok, other=0.0)
-        cur = warpgroup_mma(a_tile, b_bufs.index(s).slice(0, 128).permute((1, 0)),
-                            gl.zeros([64, 128], gl.float32, mma), use_acc=False, is_async=True)
-        scale = sa * gl.load(sb_base + kb * stride_bsr)
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(cur, ))
-        acc_lo += done * scale[:, None]
-        cur = warpgroup_mma(a_tile, b_bufs.index(s).slice(128, 128).permute((1, 0)),
-                            gl.zeros([64, 128], gl.float32, mma), use_acc=False, is_async=True)
-        scale = sa * gl.load(sb_base + stride_bsn + kb * stride_bsr)
-        done = warpgroup_mma_wait(num_outstanding=0, deps=(cur, ))
-        gl.thread_barrier()  # the warpgroup's four warps past block kb's MMAs
-        mbarrier.arrive(empty.index(s), count=1)
-        acc_hi += done * scale[:, None]
-    cols = pid_n * 256 + gl.arange(0, 128, layout=gl.SliceLayout(0, mma))
-    c = c_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :]
-    gl.store(c, acc_lo.to(c_ptr.dtype.element_ty), mask=row_ok[:, None])
-    gl.store(c + 128, acc_hi.to(c_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-@gluon.jit
-def _math_lo(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, start, count, g, pid_n, N,
-             stride_bsg, stride_bsr, stride_bsn, KB: gl.constexpr):
-    _math(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, start, count, g, pid_n, N,
-          stride_bsg, stride_bsr, stride_bsn, KB, 0)
-
-
-@gluon.jit
-def _math_hi(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, start, count, g, pid_n, N,
-             stride_bsg, stride_bsr, stride_bsn, KB: gl.constexpr):
-    _math(a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, start, count, g, pid_n, N,
-          stride_bsg, stride_bsr, stride_bsn, KB, 64)
-
-
-@gluon.jit
-def _grouped_gemm_kernel(
-    a_desc, b_desc, as_ptr, bs_ptr, c_ptr, sizes_ptr, num_groups, N,
-    stride_bsg, stride_bsr, stride_bsn,
-    R: gl.constexpr, MAX_GROUPS: gl.constexpr, GROUP_M: gl.constexpr, NUM_STAGES: gl.constexpr,
-    MATH_REGS: gl.constexpr, num_warps: gl.constexpr,
-):
-    KB: gl.constexpr = R // 128
+    c_buf = c_smem.index(ROW0 // 64)
     num_pid_n = N // 256
-    num_pid_m = gl.num_programs(0) // num_pid_n
-    pid_m, pid_n = swizzled_tile(gl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
-    vec: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-    start, count, g = _block_rows(pid_m, sizes_ptr, num_groups, MAX_GROUPS, vec)
-    if count > 0:
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, 128, 128], a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, 256, 128], b_desc.layout)
-        ready, empty = _ring_barriers(NUM_STAGES)
-        args = (a_bufs, b_bufs, ready, empty, as_ptr, bs_ptr, c_ptr, start, count, g, pid_n, N,
-                stride_bsg, stride_bsr, stride_bsn, KB)
-        gl.warp_specialize([
-            (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, start, g * N + pid_n * 256, KB)),
-            (_math_lo, args),
-            (_math_hi, args),
-        ], [4, 4], [MATH_REGS, MATH_REGS])
+    it = 0
+    for t in range(gl.program_id(0), num_pid_m * num_pid_n, gl.num_programs(0)):
+        start, count, g, pid_n = _tile(t, num_pid_m, num_pid_n, GROUP_M, sizes_ptr, num_groups)
+        if count > 0:
+            rows = start + ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+            row_ok = rows < start + count
+            sa_row = as_ptr + rows.to(gl.int64) * KB
+            sb_base = bs_ptr + g * stride_bsg + 2 * pid_n * stride_bsn
+            acc_lo = gl.zeros([64, 128], gl.float32, mma)
+            acc_hi = gl.zeros([64, 128], gl.float32, mma)
+            for kb in range(KB):
+                s = (it + kb) % NUM_STAGES
+                mbarrier.wait(ready.index(s), ((it + kb) // NUM_STAGES) & 1)
+                a_tile = a_bufs.index(s).slice(ROW0, 64)
+                sa = gl.load(sa_row + kb, mask=row_ok, other=0.0)
+                cur = warpgroup_mma(a_tile, b_bufs.index(s).slice(0, 128).permute((1, 0)),
+                                    gl.zeros([64, 128], gl.float32, mma), use_acc=False, is_async=True)
+                scale = sa * gl.load(sb_base + kb * stride_bsr)
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(cur, ))
+                acc_lo += done * scale[:, None]
+                cur = warpgroup_mma(a_tile, b_bufs.index(s).slice(128, 128).permute((1, 0)),
+                                    gl.zeros([64, 128], gl.float32, mma), use_acc=False, is_async=True)
+                scale = sa * gl.load(sb_base + stride_bsn + kb * stride_bsr)
+                done = warpgroup_mma_wait(num_outstanding=0, deps=(cur, ))
+                gl.thread_barrier()  # the warpgroup's four warps past block kb's MMAs
+                mbarrier.arrive(empty.index(s), count=1)
+                acc_hi += done * scale[:, None]
+            it += KB
+            full = count == 128
+            _write_half(acc_lo, c_desc, c_buf, c_ptr, start + ROW0, rows, row_ok, full, pid_n * 256, N)
+            _write_half(acc_hi, c_desc, c_buf, c_ptr, start + ROW0, rows, row_ok, full, pid_n * 256 + 128,
+                        N)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _math_lo(a_bufs, b_bufs, ready, empty, c_smem, c_desc, as_ptr, bs_ptr, c_ptr, sizes_ptr, num_groups, N,
+             num_pid_m, GROUP_M, stride_bsg, stride_bsr, stride_bsn, KB: gl.constexpr):
+    _math(a_bufs, b_bufs, ready, empty, c_smem, c_desc, as_ptr, bs_ptr, c_ptr, sizes_ptr, num_groups, N,
+          num_pid_m, GROUP_M, stride_bsg, stride_bsr, stride_bsn, KB, 0)
+
+
+@gluon.jit
+def _math_hi(a_bufs, b_bufs, ready, empty, c_smem, c_desc, as_ptr, bs_ptr, c_ptr, sizes_ptr, num_groups, N,
+             num_pid_m, GROUP_M, stride_bsg, stride_bsr, stride_bsn, KB: gl.constexpr):
+    _math(a_bufs, b_bufs, ready, empty, c_smem, c_desc, as_ptr, bs_ptr, c_ptr, sizes_ptr, num_groups, N,
+          num_pid_m, GROUP_M, stride_bsg, stride_bsr, stride_bsn, KB, 64)
+
+
+@gluon.jit
+def _grouped_gemm_kernel(a_desc, b_desc, c_desc, as_ptr, bs_ptr, c_ptr, sizes_ptr, num_groups, N, num_pid_m, GROUP_M,
+                         stride_bsg, stride_bsr, stride_bsn,
+                         R: gl.constexpr, NUM_STAGES: gl.constexpr, MATH_REGS: gl.constexpr,
+                         num_warps: gl.constexpr):
+    KB: gl.constexpr = R // 128
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [NUM_STAGES, 128, 128], a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [NUM_STAGES, 256, 128], b_desc.layout)
+    c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, 64, 128], c_desc.layout)
+    ready, empty = _ring_barriers(NUM_STAGES)
+    args = (a_bufs, b_bufs, ready, empty, c_smem, c_desc, as_ptr, bs_ptr, c_ptr, sizes_ptr, num_groups, N,
+            num_pid_m, GROUP_M, stride_bsg, stride_bsr, stride_bsn, KB)
+    gl.warp_specialize([
+        (_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, sizes_ptr, num_groups, N, num_pid_m, GROUP_M, KB)),
+        (_math_lo, args),
+        (_math_hi, args),
+    ], [4, 4], [MATH_REGS, MATH_REGS])
 
 
 def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloat16, config=None):
     """``a [M, R]`` FP8 (contiguous, ``a_scale_inv [M, R/128]`` contiguous float32); ``b [G, N, R]`` FP8
     contiguous with 128x128 ``b_scale_inv [G, N/128, R/128]``; ``m_splits`` list or device int tensor (G groups,
     or G + 1: the last one weightless, its rows zero) -> ``C [M, N] = A @ B_g^T`` per group in ``out_dtype``,
-    bitwise ``kernels.grouped_gemm.grouped_gemm``'s. N a multiple of 256, R of 128 (``supports``); ``config``:
-    ``(NUM_STAGES, GROUP_M, math registers)`` (``CONFIG``)."""
+    bitwise ``kernels.grouped_gemm.grouped_gemm``'s. N a multiple of 256, R of 128 (``supports``); more than
+    ``MAX_GROUPS`` groups run on the twin. ``config``: ``(NUM_STAGES, GROUP_M, math registers)`` (``CONFIG``; a
+    float32 C at most ``FPROP_FLOAT32_STAGES`` stages)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     m, r = a.shape
     num_weights, n, _ = b.shape
     if n % BLOCK_N or r % 128:
         raise ValueError(f"the Gluon grouped GEMM needs N % {BLOCK_N} == 0 and R % 128 == 0, got N={n}, R={r}")
+    sizes, g, _, _ = group_sizes_arg(m_splits, a.device)
+    if g > MAX_GROUPS.value:
+        return twin_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype)
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
     if r == 0:
         return c.zero_()
     num_stages, group_m, math_regs = config or CONFIG
+    if out_dtype == torch.float32:
+        num_stages = min(num_stages, FPROP_FLOAT32_STAGES)
     a, a_scale_inv, b = a.contiguous(), a_scale_inv.contiguous(), b.contiguous()
-    sizes, g, _, max_groups = group_sizes_arg(m_splits, a.device)
     a_layout = gl.NVMMASharedLayout.get_default_for([128, 128], _GL_DTYPES[a.dtype])
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], _GL_DTYPES[b.dtype])
+    c_layout = gl.NVMMASharedLayout.get_default_for([64, 128], _GL_OUT[out_dtype])
     a_desc = TensorDescriptor(a, [m, r], [r, 1], [128, 128], a_layout)
     b_desc = TensorDescriptor(b.view(num_weights * n, r), [num_weights * n, r], [r, 1], [BLOCK_N, 128], b_layout)
-    grid = (num_column_blocks(m, m_splits) * (n // BLOCK_N),)
-    _grouped_gemm_kernel[grid](
+    c_desc = TensorDescriptor(c, [m, n], [n, 1], [64, 128], c_layout)
+    num_pid_m = num_column_blocks(m, m_splits)
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+    _grouped_gemm_kernel[(min(num_pid_m * (n // BLOCK_N), sms),)](
         # a trailing weightless group is left out: the kernel sees the weights' groups only (its blocks find none)
-        a_desc, b_desc, a_scale_inv, b_scale_inv, c, sizes, min(g, num_weights), n,
+        a_desc, b_desc, c_desc, a_scale_inv, b_scale_inv, c, sizes, min(g, num_weights), n, num_pid_m, group_m,
         b_scale_inv.stride(0), b_scale_inv.stride(2), b_scale_inv.stride(1),
-        R=r, MAX_GROUPS=max(max_groups, 32), GROUP_M=group_m, NUM_STAGES=num_stages, MATH_REGS=math_regs,
-        num_warps=4, maxnreg=168)
+        R=r, NUM_STAGES=num_stages, MATH_REGS=math_regs, num_warps=4, maxnreg=168)
     return zero_weightless_rows(c, m_splits, num_weights)
 
 
@@ -243,7 +294,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
 def _group_extent(g, sizes_ptr, num_groups):
     """Group g's (first row, rows, first 128-row block), as ``groups.group_extent``."""
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    i = gl.arange(0, WGRAD_MAX_GROUPS, layout=layout)
+    i = gl.arange(0, MAX_GROUPS, layout=layout)
     sizes = gl.load(sizes_ptr + i, mask=i < num_groups, other=0)
     before = i < g
     first_row = gl.sum(gl.where(before, sizes, 0), axis=0)
@@ -258,10 +309,22 @@ def _first_tile(g, per_group, pid, nprog):
 
 
 @gluon.jit
-def _wgrad_loader(at_ptr, bt_ptr, a_bufs, b_bufs, ready, empty, sizes_ptr, num_groups, N, K):
+def _wgrad_tile(local, num_n, num_k):
+    """(n0, k0) of a group's ``local``-th 128x128 tile: bands of ``WGRAD_GROUP_N`` 128-row strips of N, N fastest
+    within a band (a wave of programs then reads a few strips of both operands)."""
+    width = WGRAD_GROUP_N * num_k
+    first_n = local // width * WGRAD_GROUP_N
+    band = gl.minimum(num_n - first_n, WGRAD_GROUP_N)
+    return (first_n + local % width % band) * 128, local % width // band * 128
+
+
+@gluon.jit
+def _wgrad_loader(at_ptr, bt_ptr, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, sizes_ptr,
+                  num_groups, N, K):
     """Group by group: the group's descriptors (dY_g^T ``[N, m_g]``, X_g^T ``[K, m_g]``; tokens past m_g
     zero-filled) are made once, after the loads through the previous ones have landed (the ready barriers of the
-    last NUM_STAGES loads: the loader is their only producer), then this program's tiles of the group loaded."""
+    last NUM_STAGES loads: the loader is their only producer), then this program's tiles of the group loaded: a
+    stage holds token block j's two FP8 tiles and their scales (128 of dY^T's, 128 of X^T's)."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     num_n = N // 128
     per_group = num_n * (K // 128)
@@ -269,7 +332,7 @@ def _wgrad_loader(at_ptr, bt_ptr, a_bufs, b_bufs, ready, empty, sizes_ptr, num_g
     nprog = gl.num_programs(0)
     it = 0
     for g in range(num_groups):
-        first_row, size, _ = _group_extent(g, sizes_ptr, num_groups)
+        first_row, size, first_block = _group_extent(g, sizes_ptr, num_groups)
         blocks = (size + 127) // 128
         t0 = _first_tile(g, per_group, pid, nprog)
         if (blocks > 0) & (t0 < (g + 1) * per_group):
@@ -282,15 +345,20 @@ def _wgrad_loader(at_ptr, bt_ptr, a_bufs, b_bufs, ready, empty, sizes_ptr, num_g
             b_desc = tma.make_tensor_descriptor(bt_ptr + first_row.to(gl.int64) * K, [K, size], [size, 1],
                                                 [128, 128], b_bufs.type.layout)
             for t in range(t0, (g + 1) * per_group, nprog):
-                n0 = t % num_n * 128
-                k0 = (t // num_n) % (K // 128) * 128
+                n0, k0 = _wgrad_tile(t - g * per_group, num_n, K // 128)
                 for j in range(blocks):
-                    _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, n0, k0, j * 128)
+                    s = it % NUM_STAGES
+                    _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, n0, k0, j * 128,
+                                2 * sa_desc.block_type.nbytes)
+                    tma.async_copy_global_to_shared(sa_desc, [(first_block + j) * N + n0], ready.index(s),
+                                                    sa_bufs.index(s))
+                    tma.async_copy_global_to_shared(sb_desc, [(first_block + j) * K + k0], ready.index(s),
+                                                    sb_bufs.index(s))
                     it += 1
 
 
 @gluon.jit
-def _wgrad_math(a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K,
+def _wgrad_math(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, sizes_ptr, num_groups, N, K,
                 ROW0: gl.constexpr):
     """Rows ROW0..ROW0+63 of each of the program's 128x128 tiles (the loader's walk; every tile, empty groups'
     too: zeros), one warpgroup; the tile leaves through ``c_smem`` by a TMA store."""
@@ -304,20 +372,17 @@ def _wgrad_math(a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, 
     c_buf = c_smem.index(ROW0 // 64)
     it = 0
     for g in range(num_groups):
-        _, size, first_block = _group_extent(g, sizes_ptr, num_groups)
+        _, size, _ = _group_extent(g, sizes_ptr, num_groups)
         for t in range(_first_tile(g, per_group, pid, nprog), (g + 1) * per_group, nprog):
-            n0 = t % num_n * 128
-            k0 = (t // num_n) % num_k * 128
-            n_rows = n0 + ROW0 + gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
-            k_cols = k0 + gl.arange(0, 128, layout=gl.SliceLayout(0, mma))
+            n0, k0 = _wgrad_tile(t - g * per_group, num_n, num_k)
             acc = gl.zeros([64, 128], gl.float32, mma)
             for j in range((size + 127) // 128):
                 s = it % NUM_STAGES
                 mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
                 cur = warpgroup_mma(a_bufs.index(s).slice(ROW0, 64), b_bufs.index(s).permute((1, 0)),
                                     gl.zeros([64, 128], gl.float32, mma), use_acc=False, is_async=True)
-                sa = gl.load(ats_ptr + (first_block + j) * N + n_rows)
-                sb = gl.load(bts_ptr + (first_block + j) * K + k_cols)
+                sa = sa_bufs.index(s).slice(ROW0, 64).load(gl.SliceLayout(1, mma))
+                sb = sb_bufs.index(s).load(gl.SliceLayout(0, mma))
                 done = warpgroup_mma_wait(num_outstanding=0, deps=(cur, ))
                 gl.thread_barrier()  # the warpgroup's four warps past block j's MMA
                 mbarrier.arrive(empty.index(s), count=1)
@@ -333,27 +398,30 @@ def _wgrad_math(a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, 
 
 
 @gluon.jit
-def _wgrad_math_lo(a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K):
-    _wgrad_math(a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K, 0)
+def _wgrad_math_lo(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, sizes_ptr, num_groups, N, K):
+    _wgrad_math(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, sizes_ptr, num_groups, N, K, 0)
 
 
 @gluon.jit
-def _wgrad_math_hi(a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K):
-    _wgrad_math(a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K, 64)
+def _wgrad_math_hi(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, sizes_ptr, num_groups, N, K):
+    _wgrad_math(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, sizes_ptr, num_groups, N, K, 64)
 
 
 @gluon.jit
-def _grouped_wgrad_kernel(at_ptr, ats_ptr, bt_ptr, bts_ptr, c_desc, sizes_ptr, num_groups, N, K,
+def _grouped_wgrad_kernel(at_ptr, bt_ptr, sa_desc, sb_desc, c_desc, sizes_ptr, num_groups, N, K,
                           NUM_STAGES: gl.constexpr, MATH_REGS: gl.constexpr, num_warps: gl.constexpr):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, 128], at_ptr.dtype.element_ty)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, 128], bt_ptr.dtype.element_ty)
     a_bufs = gl.allocate_shared_memory(at_ptr.dtype.element_ty, [NUM_STAGES, 128, 128], a_layout)
     b_bufs = gl.allocate_shared_memory(bt_ptr.dtype.element_ty, [NUM_STAGES, 128, 128], b_layout)
+    sa_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 128], sa_desc.layout)
+    sb_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 128], sb_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, 64, 128], c_desc.layout)
     ready, empty = _ring_barriers(NUM_STAGES)
-    args = (a_bufs, b_bufs, ready, empty, c_smem, c_desc, ats_ptr, bts_ptr, sizes_ptr, num_groups, N, K)
+    args = (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, sizes_ptr, num_groups, N, K)
     gl.warp_specialize([
-        (_wgrad_loader, (at_ptr, bt_ptr, a_bufs, b_bufs, ready, empty, sizes_ptr, num_groups, N, K)),
+        (_wgrad_loader, (at_ptr, bt_ptr, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, sizes_ptr,
+                         num_groups, N, K)),
         (_wgrad_math_lo, args),
         (_wgrad_math_hi, args),
     ], [4, 4], [MATH_REGS, MATH_REGS])
@@ -362,15 +430,15 @@ def _grouped_wgrad_kernel(at_ptr, ats_ptr, bt_ptr, bts_ptr, c_desc, sizes_ptr, n
 def takes_wgrad(a_t: torch.Tensor, m_splits, out, accumulate: bool, out_dtype: torch.dtype) -> bool:
     """Whether ``grouped_gemm_wgrad`` runs the Gluon kernel (else the twin): on a Hopper GPU under Triton 3.6, a
     written (not added, not rounded into ``out``) BF16 or float32 ``C`` in one ``[G, N, K]`` (new, or a contiguous
-    16-byte aligned ``out``), at most ``WGRAD_MAX_GROUPS`` groups of multiples of ``WGRAD_ROW_ALIGNMENT`` rows: a
+    16-byte aligned ``out``), at most ``MAX_GROUPS`` groups of multiples of ``WGRAD_ROW_ALIGNMENT`` rows: a
     host list checked here, a device tensor on the device (no host sync)."""
     if accumulate or not (a_t.is_cuda and available(a_t.device)) or out_dtype not in WGRAD_STAGES:
         return False
     if out is not None and (isinstance(out, list) or out_dtype != torch.float32 or not takes_tma_epilogue(out)):
         return False
     if isinstance(m_splits, torch.Tensor):
-        return m_splits.numel() <= WGRAD_MAX_GROUPS.value
-    return len(m_splits) <= WGRAD_MAX_GROUPS.value and all_multiples_of(m_splits, WGRAD_ROW_ALIGNMENT)
+        return m_splits.numel() <= MAX_GROUPS.value
+    return len(m_splits) <= MAX_GROUPS.value and all_multiples_of(m_splits, WGRAD_ROW_ALIGNMENT)
 
 
 def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=None, accumulate=False,
@@ -393,16 +461,22 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
     if total == 0:
         return out
     num_stages, math_regs = config or (WGRAD_STAGES[out.dtype], 232)
-    gl_out = gl.bfloat16 if out.dtype == torch.bfloat16 else gl.float32
     c_desc = TensorDescriptor(out.view(g * n, k), [g * n, k], [k, 1], [64, 128],
-                              gl.NVMMASharedLayout.get_default_for([64, 128], gl_out))
+                              gl.NVMMASharedLayout.get_default_for([64, 128], _GL_OUT[out.dtype]))
+    # the scales [blocks, N] / [blocks, K] as flat rows: a token block's 128 of a tile, one 512-byte TMA box
+    s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
+    # (no token blocks, all groups empty: nothing is loaded, the descriptors get a stand-in row)
+    sa_flat, sb_flat = (t.contiguous().view(-1) if t.numel() else t.new_zeros(128) for t in (a_t_scale_inv,
+                                                                                          b_t_scale_inv))
+    sa_desc = TensorDescriptor(sa_flat, [sa_flat.numel()], [1], [128], s_layout)
+    sb_desc = TensorDescriptor(sb_flat, [sb_flat.numel()], [1], [128], s_layout)
     sms = torch.cuda.get_device_properties(a_t.device).multi_processor_count
     # the device-made descriptors' scratch (a stream-ordered torch buffer), for this launch only
     token = _allocation._allocator.set(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
                                                                              device=a_t.device))
     try:
         _grouped_wgrad_kernel[(min(total, sms),)](
-            a_t, a_t_scale_inv, b_t, b_t_scale_inv, c_desc, sizes, g, n, k,
+            a_t, b_t, sa_desc, sb_desc, c_desc, sizes, g, n, k,
             NUM_STAGES=num_stages, MATH_REGS=math_regs, num_warps=4, maxnreg=168)
     finally:
         _allocation._allocator.reset(token)
