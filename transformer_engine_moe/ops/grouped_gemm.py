@@ -61,13 +61,14 @@ GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "gluon", "triton", "reference")
 # (538-940 against DeepGEMM's 174-911); a wgrad added into float32 (Megatron's main_grad) is cuBLASLt's
 # beta = 1 (522 / 517 at 1024 rows, 784 / 763 at 2048, fc1 / fc2) ahead of DeepGEMM's C = D (377 / 385,
 # 768 / 739) and Triton's (389 / 384, 542 / 487), and it also runs on G separate main_grads (Megatron's DDP).
-# Gluon's fprop/dgrad before Triton's: 1004-1013 TFLOP/s against 789-791 at DeepSeek-V3's 7168 -> 4096, 850 against
-# 711 at 2048 -> 7168, 830 / 551 against 689 / 500 at Qwen3's 2048 -> 1536 / 768 -> 2048 (H200, same call; DeepGEMM
-# 1058-1211 in it, docs/grouped_gemm.md).
-# Gluon's written wgrad before Triton's where the experts average under GLUON_WGRAD_MAX_MEAN_ROWS (H200, 2026-12-02,
-# bench_grouped_gemm_gluon_wgrad_h200.md, TFLOP/s fc1 / fc2, BF16 out): 671 / 664 against 599 / 588 at 1024 rows per
-# expert, 717 / 705 against 697 / 685 at 2048, level at 4096 (736 / 659 against 740 / 668); in the captured DeepSeek-V3
-# block 53.9 against 56.8 ms at 128 experts, 45.8 against 45.1 ms at 32 (same process). docs/grouped_gemm.md.
+# Gluon's fprop/dgrad (persistent) before Triton's, after cuBLAS's where that pays: H200, 2026-12-02
+# (bench_grouped_gemm_gluon_h200.md, one backend after another): 1000-1080 TFLOP/s at DeepSeek-V3's four GEMMs from
+# 1024 to 16384 rows per expert against Triton's 689-786; cuBLAS per expert level to 7% ahead from 2048 rows
+# (1010-1150; fc1 1120-1150 against 1080) for 1-3 ms of host time a call against Gluon's 0.4-0.8; level or behind
+# at 1024 rows (fc2 961 against 1000), where ``cublas_pays`` leaves it out. docs/grouped_gemm.md.
+# Gluon's written wgrad before Triton's where the experts average under GLUON_WGRAD_MAX_MEAN_ROWS: in that run 679 /
+# 674 TFLOP/s (fc1 / fc2, BF16 out) against 585 / 577 at 1024 rows per expert, level from 2048 (676 / 706 against
+# 682 / 671; 669 / 704 against 725 / 656 at 4096; 646 / 656 against 678 / 647 at 16384). docs/grouped_gemm.md.
 GLUON_WGRAD_MAX_MEAN_ROWS = 4096
 # A wgrad rounded to BF16 into ``out`` ("wgrad_rounded": DDP's hook's sums, ``GroupedLinear.add_wgrad_into_main_grad``):
 # Triton rounds and adds in its epilogue, where cuBLAS and DeepGEMM write the BF16 gradient and it is then added, a
