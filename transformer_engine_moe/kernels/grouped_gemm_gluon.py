@@ -151,19 +151,25 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sizes_ptr, num_groups,
 
 
 @gluon.jit
+def _tma_store(acc, c_desc, c_buf, row, col):
+    """A warpgroup's 64x128 ``acc`` to ``c_desc`` at (``row``, ``col``), through shared ``c_buf`` by one TMA
+    store, which drains while the warpgroup goes on (waited for at the buffer's next use)."""
+    tma.store_wait(0)  # the buffer's previous tile has left (waited for by its issuing thread)
+    gl.thread_barrier()
+    c_buf.store(acc.to(c_desc.dtype))
+    fence_async_shared()
+    gl.thread_barrier()
+    tma.async_copy_shared_to_global(c_desc, [row, col], c_buf)
+
+
+@gluon.jit
 def _write_half(acc, c_desc, c_buf, c_ptr, row, rows, row_ok, full, col, N):
     """A 64x128 half of the warpgroup's tile (rows ``rows`` from ``row``, columns from ``col``): TMA-stored through
-    ``c_buf``
-    when the tile is ``full`` (128 rows of one group), else masked stores (the rows past the group are another
-    tile's)."""
+    ``c_buf`` when the tile is ``full`` (128 rows of one group), else masked stores (the rows past the group are
+    another tile's)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
     if full:
-        tma.store_wait(0)  # the buffer's previous tile has left (waited for by its issuing thread)
-        gl.thread_barrier()
-        c_buf.store(acc.to(c_desc.dtype))
-        fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(c_desc, [row, col], c_buf)
+        _tma_store(acc, c_desc, c_buf, row, col)
     else:
         cols = col + gl.arange(0, 128, layout=gl.SliceLayout(0, mma))
         gl.store(c_ptr + rows.to(gl.int64)[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty),
@@ -261,8 +267,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
     num_weights, n, _ = b.shape
     if n % BLOCK_N or r % 128:
         raise ValueError(f"the Gluon grouped GEMM needs N % {BLOCK_N} == 0 and R % 128 == 0, got N={n}, R={r}")
-    sizes, g, _, _ = group_sizes_arg(m_splits, a.device)
-    if g > MAX_GROUPS.value:
+    if len(m_splits) > MAX_GROUPS.value:
         return twin_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype)
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
@@ -273,6 +278,7 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
     if out_dtype == torch.float32:
         num_stages = min(num_stages, FPROP_FLOAT32_STAGES)
     a, a_scale_inv, b = a.contiguous(), a_scale_inv.contiguous(), b.contiguous()
+    sizes, g, _, _ = group_sizes_arg(m_splits, a.device)
     a_layout = gl.NVMMASharedLayout.get_default_for([128, 128], _GL_DTYPES[a.dtype])
     b_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 128], _GL_DTYPES[b.dtype])
     c_layout = gl.NVMMASharedLayout.get_default_for([64, 128], _GL_OUT[out_dtype])
@@ -388,12 +394,7 @@ def _wgrad_math(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, 
                 mbarrier.arrive(empty.index(s), count=1)
                 acc = acc + done * (sa[:, None] * sb[None, :])
                 it += 1
-            tma.store_wait(0)  # the buffer's previous tile has left (waited for by its issuing thread)
-            gl.thread_barrier()
-            c_buf.store(acc.to(c_desc.dtype))
-            fence_async_shared()
-            gl.thread_barrier()
-            tma.async_copy_shared_to_global(c_desc, [g * N + n0 + ROW0, k0], c_buf)
+            _tma_store(acc, c_desc, c_buf, g * N + n0 + ROW0, k0)
     tma.store_wait(0)
 
 
