@@ -169,14 +169,15 @@ def run(rows_per_expert, gemm, ops, shape="deepseek_v3", backends=FP8_BACKENDS +
                     assert err < 1e-2, (backend, op, err)  # wrong results are ~1; tests check 2e-3
                 fn()
                 torch.cuda.synchronize()
-                ms = utils.time_ms(fn)
+                with utils.clock_while() as clock:
+                    ms = utils.time_ms(fn)
             except (ImportError, ValueError) as exc:  # backend absent, or not applicable to this call
                 out.append(dict(row, ms=float("nan"), tflops=float("nan"), host_ms=float("nan"),
                                 auto=f"n/a: {str(exc)[:70]}"))
                 continue
             picked = backend != "bf16" and auto_backend(o, op, n, k, device_splits) == backend
             out.append(dict(row, ms=ms, tflops=flops / ms / 1e9, host_ms=utils.busy_host_ms(fn),
-                            auto="yes" if picked else ""))
+                            auto="yes" if picked else "", **clock))
     return out
 
 
@@ -224,10 +225,11 @@ def main():
             f"bench_grouped_gemm{shape}{args.suffix}", "Grouped blockwise FP8 GEMMs per backend vs BF16 grouped_mm "
             "(TFLOP/s)", env, ceil, results,
             ["shape", "rows_per_expert", "experts", "gemm", "op", "backend", "splits", "tflops", "ms", "host_ms",
-             "auto"],
+             "auto", "sm_clock_mhz", "power_w"],
             notes=(f"{args.shape}: " + "; ".join(f"{g}: N={n}, K={k}" for g, (n, k) in gemms.items()) + ". "
                    f"{TOTAL_ROWS} rows (at most {MAX_EXPERTS} experts). host_ms: one call's host time with the GPU "
-                   "busy behind a queued sleep (3 calls). "
+                   "busy behind a queued sleep (3 calls). sm_clock_mhz, power_w: NVML's medians while the row was "
+                   "timed (an H200 at its 700 W cap clocks down under dense FP8 work). "
                    f"Triton launch shapes: fprop/dgrad {kg.GEMM_CONFIG} (BLOCK_N, GROUP_M, warps, stages), wgrad "
                    f"{kg.WGRAD_CONFIG} (BLOCK_N, BLOCK_K, warps, stages). auto=yes: the backend ops.grouped_gemm "
                    "picks with backend='auto' for this call on these splits (host list or device tensor). Every "

@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -171,6 +172,36 @@ def gpu_state() -> dict:
         print(f"warning: {state['processes']} processes compute on this GPU: timings are shared-GPU timings",
               file=sys.stderr, flush=True)
     return state
+
+
+@contextlib.contextmanager
+def clock_while(period_s: float = 0.1):
+    """Within: the GPU's SM clock (MHz) and power draw (W) sampled every ``period_s`` by a thread (NVML, as
+    ``gpu_state``); yields a dict that holds their medians on exit (``sm_clock_mhz``, ``power_w``; empty without
+    pynvml). Recorded with each timed kernel: an H200 running FP8 GEMMs back to back sits at its 700 W cap and
+    clocks down (1680 MHz against its 1980 MHz boost, 2026-12-02), by more on one machine than another, so a
+    kernel's TFLOP/s compares across runs only at the clock it ran at."""
+    samples, stop = [], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            try:
+                samples.append((torch.cuda.clock_rate(), torch.cuda.power_draw() / 1e3))
+            except Exception:  # noqa: BLE001 (no pynvml, NVML refusing: no samples)
+                return
+            stop.wait(period_s)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    medians: dict = {}
+    try:
+        yield medians
+    finally:
+        stop.set()
+        thread.join()
+        if samples:
+            medians.update(sm_clock_mhz=statistics.median(c for c, _ in samples),
+                           power_w=round(statistics.median(w for _, w in samples)))
 
 
 def host_load() -> dict:

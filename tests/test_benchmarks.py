@@ -60,6 +60,34 @@ def test_bench_grouped_gemm_names_the_backend_auto_picks(monkeypatch):
     assert set(refs) == {"wgrad", "wgrad_fp32"} and refs["wgrad"] is refs["wgrad_fp32"]
 
 
+def test_clock_while_gives_medians_of_its_samples_or_none(monkeypatch):
+    """clock_while samples NVML's SM clock and power in a thread and hands back their medians on exit; where NVML
+    cannot answer (no pynvml, a CPU machine) it gives an empty dict and the timed code runs as without it."""
+    import threading
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import utils
+
+    readings, taken, done = [(1980, 300_000), (1680, 700_000), (1700, 690_000)], [], threading.Event()
+
+    def clock_rate(*a):
+        if not readings:
+            done.set()
+            raise RuntimeError("NVML: no more readings")
+        taken.append(readings.pop(0))
+        return taken[-1][0]
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", clock_rate)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda *a: taken[-1][1])
+    with utils.clock_while(period_s=0.0) as clock:
+        assert done.wait(10)  # the timed code runs while the thread samples
+    assert clock == {"sm_clock_mhz": 1700, "power_w": 690}
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda *a: (_ for _ in ()).throw(ModuleNotFoundError("pynvml")))
+    with utils.clock_while() as clock:
+        pass
+    assert clock == {}
+
+
 def test_ep_run_on_gpus_leaves_the_command_line_to_the_script(monkeypatch):
     """On GPUs ``ep_run`` measures the machine without parsing ``sys.argv`` again: it once re-parsed it with a
     bare parser, so a script's own flags (``bench_ep_scaling.py --tokens``) stopped it there."""
