@@ -25,7 +25,7 @@ def gemm_backends(device: torch.device, backend: str = "auto") -> str:
         return f"Triton kernels; grouped GEMMs {backend!r}"
     from transformer_engine_moe.kernels import cublaslt, grouped_gemm_deepgemm
     from transformer_engine_moe.ops.grouped_gemm import (AUTO_ORDER, CUBLAS_MIN_MEAN_ROWS, CUBLAS_MIN_WEIGHT,
-                                                         DEEPGEMM_WRITTEN_MIN_MEAN_ROWS, GLUON_WGRAD_MAX_MEAN_ROWS,
+                                                         DEEPGEMM_WRITTEN_MIN_MEAN_ROWS,
                                                          gluon_available)
 
     deepgemm, lt = grouped_gemm_deepgemm.available(device), cublaslt.available(device)
@@ -36,8 +36,7 @@ def gemm_backends(device: torch.device, backend: str = "auto") -> str:
                  and (n != "gluon" or gluon)]
         names = {"fprop": _NAMES, "wgrad": dict(_NAMES, deepgemm=f"DeepGEMM (experts of >= "
                                                                  f"{DEEPGEMM_WRITTEN_MIN_MEAN_ROWS} rows)",
-                                                gluon=f"Gluon (experts of < {GLUON_WGRAD_MAX_MEAN_ROWS} rows, "
-                                                      "groups of multiples of 16)"),
+                                                gluon="Gluon (groups of multiples of 16)"),
                  "wgrad_accumulate": dict(_NAMES, deepgemm="DeepGEMM (main_grad as one [G, N, K])")}[kind]
         kinds.append(f"{label} " + " > ".join(
             _cublas(CUBLAS_MIN_MEAN_ROWS[kind], CUBLAS_MIN_WEIGHT) if n == "cublas" else names[n] for n in order))

@@ -199,7 +199,7 @@ def test_gemm_backends_on_cpu_and_gpu(monkeypatch):
         "Triton kernels; grouped GEMMs 'auto', per call the first that can run it: fprop/dgrad DeepGEMM > cuBLAS "
         "(experts of >= 2048 rows and >= 2048 x 14.7M multiply-adds) > Gluon (N a multiple of 256) > Triton; wgrad "
         "cuBLAS (experts of >= 512 rows and >= 512 x 14.7M multiply-adds) > DeepGEMM (experts of >= 8192 rows) > "
-        "Gluon (experts of < 4096 rows, groups of multiples of 16) > Triton; wgrad into main_grad cuBLAS (experts "
+        "Gluon (groups of multiples of 16) > Triton; wgrad into main_grad cuBLAS (experts "
         "of >= 512 rows and >= 512 x 14.7M multiply-adds) > DeepGEMM (main_grad as one [G, N, K]) > Triton")
     monkeypatch.setattr(grouped_gemm_deepgemm, "available", lambda device: False)
     monkeypatch.setattr(grouped_gemm_gluon, "available", lambda device: False)

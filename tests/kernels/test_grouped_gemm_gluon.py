@@ -3,9 +3,10 @@ reference. fprop/dgrad: ragged, empty and single-expert groups (any sizes, not o
 walking many tiles, more groups than the kernel takes, a trailing weightless group, host and device splits, E4M3
 and E5M2 activations, BF16 and float32 output, zeros and non-finite values; no host sync; what ``auto`` picks;
 GroupedLinear on it. wgrad: groups of multiples of 16 rows (empty, small, ragged; programs walking many tiles of a
-group), host and device splits, E4M3 and E5M2 dY, BF16 and float32 written, non-finite values; the calls it leaves
-to the twin; no host sync; replays of a CUDA graph with other routings. The twins run on the CPU suite under the
-interpreter (tests/ops/test_grouped_gemm.py); these kernels need a Hopper GPU under Triton 3.6."""
+group), K off its 192-column tiles, host and device splits, E4M3 and E5M2 dY, BF16 and float32 written, non-finite
+values; the calls it leaves to the twin; no host sync; replays of a CUDA graph with other routings. The twins run on
+the CPU suite under the interpreter (tests/ops/test_grouped_gemm.py); these kernels need a Hopper GPU under Triton
+3.6."""
 
 import pytest
 import torch
@@ -186,6 +187,26 @@ def test_wgrad_programs_walking_many_tiles_of_a_group(n, k, splits):
     ms = torch.tensor(splits, device="cuda")
     assert same_bits(gk.grouped_gemm_wgrad(*ops, ms, out_dtype=torch.bfloat16),
                      twin.grouped_gemm_wgrad(*ops, ms, out_dtype=torch.bfloat16))
+
+
+@requires_gluon
+@pytest.mark.parametrize("k", [128, 256, 640, 7168])
+def test_wgrad_last_strip_of_k_partial_and_nothing_written_past_out(k):
+    """Tiles are 192 columns of K wide: K = 128 (one strip, its 64-column part wholly past K), 256, 640 and 7168
+    (the last strip's 128-column part partly past K). The columns past K are neither read into the sums nor
+    written: ``out`` is the front of a NaN-filled buffer, whose tail stays NaN."""
+    splits = [256, 0, 48, 128]
+    ops = wgrad_operands(splits, 256, k)
+    ms = torch.tensor(splits, device="cuda", dtype=torch.int32)
+    for out_dtype in (torch.bfloat16, torch.float32):
+        assert same_bits(gk.grouped_gemm_wgrad(*ops, ms, out_dtype=out_dtype),
+                         twin.grouped_gemm_wgrad(*ops, ms, out_dtype=out_dtype))
+    size = len(splits) * 256 * k
+    buf = torch.full((size + 4096,), float("nan"), device="cuda")
+    out = buf[:size].view(len(splits), 256, k)
+    assert gk.takes_wgrad(ops[0], ms, out, False, torch.float32)
+    gk.grouped_gemm_wgrad(*ops, ms, out=out)
+    assert same_bits(out, twin.grouped_gemm_wgrad(*ops, ms)) and buf[size:].isnan().all()
 
 
 @requires_gluon

@@ -530,12 +530,15 @@ def test_auto_policy_takes_gluon_before_triton(monkeypatch, deepgemm):
     assert pick("fprop", QWEN_SPLITS, QWEN_FC2, 2048, a=E5M2) == "gluon"  # HYBRID's dgrad: never DeepGEMM
     assert pick("fprop", QWEN_SPLITS, 1408 * 2048, 1408) == dg_or("triton")  # N not a multiple of 256
     assert pick("wgrad", QWEN_SPLITS, QWEN_FC1, 1536) == "gluon"
-    # device splits, under DeepGEMM's 8192 rows: the CUDA-graph path; Gluon under 4096 rows per expert on average
-    for sizes, picked in (([1024] * 128, "gluon"), ([2048] * 64, "gluon"), ([4096] * 32, "triton")):
-        assert pick("wgrad", torch.tensor(sizes), V3_FC1, 4096, rows=131072) == picked
-        assert pick("wgrad", torch.tensor(sizes), V3_FC1, 4096, rows=131072, gluon=False) == "triton"
-    assert pick("wgrad", torch.tensor([1024] * 32), V3_FC1, 4096, rows=32 * 4095) == "gluon"
-    assert pick("wgrad", torch.tensor([1024] * 32), V3_FC1, 4096, rows=32 * 4096) == "triton"  # M counts, not splits
+    # device splits (the CUDA-graph path): DeepGEMM's written wgrad from 8192 rows per expert where its release
+    # takes device splits, else Gluon at every size, Triton without it
+    monkeypatch.setattr(grouped_gemm_deepgemm, "device_splits_wgrad", lambda: True)
+    for sizes in ([1024] * 128, [2048] * 64, [4096] * 32, [16384] * 8):
+        splits = torch.tensor(sizes)
+        assert pick("wgrad", splits, V3_FC1, 4096, rows=131072) == ("deepgemm" if deepgemm and sizes[0] >= 8192
+                                                                     else "gluon")
+        assert pick("wgrad", splits, V3_FC1, 4096, rows=131072, gluon=False) == ("deepgemm" if deepgemm and
+                                                                                  sizes[0] >= 8192 else "triton")
     for kind in ("wgrad_accumulate", "wgrad_rounded"):
         assert pick(kind, QWEN_SPLITS, QWEN_FC1, 1536) in ("triton", "cublas", "deepgemm")
         assert pick(kind, QWEN_SPLITS, QWEN_FC1, 1536) != "gluon"

@@ -20,14 +20,16 @@ masked stores. docs/grouped_gemm.md has the measurements.
 
 ``grouped_gemm_wgrad``: the twin of ``kernels/grouped_gemm.py``'s wgrad for a written ``C [G, N, K]`` (BF16 or
 float32; same promotion ``acc += dot_j * (sa_j[:, None] * sb_j[None, :])`` in token-block order, so the same bits),
-persistent: one program per SM walks the 128x128 tiles group by group, in bands of ``WGRAD_GROUP_N`` 128-row
-strips of N. A loader warpgroup makes each group's TMA descriptors on the device (the expert-major operands have a
-row stride per group: groups of multiples of 16 rows), once per group after the previous group's loads have
-landed, and fills the ring: each stage holds the two FP8 tiles and their token block's scales (two 512-byte TMA
-loads), so the math warpgroups read the scales from shared memory. Two math warpgroups own 64 of the tile's rows
-each, wait for their own MMA, free the stage, promote, and hand the tile to a TMA store from shared memory, which
-drains while they go on to their next tile. Other wgrads (added into ``out``, rounded, G separate outputs, ragged
-groups on the host) run on the twin.
+persistent: one program per SM walks the 128x192 tiles (``WGRAD_TILE_K``; the last strip of K partial, its loads
+zero-filled and its stores clipped) group by group, in bands of ``WGRAD_GROUP_N`` 128-row strips of N. A loader
+warpgroup makes each group's TMA descriptors on the device (the expert-major operands have a row stride per group:
+groups of multiples of 16 rows), once per group after the previous group's loads have landed, and fills the ring:
+each stage holds the FP8 tiles and their token block's scales (1-D TMA loads), so the math warpgroups read the
+scales from shared memory. Two math warpgroups own 64 of the tile's rows each; per token block a warpgroup runs a
+64x128 MMA, waits, promotes, then a 64x64 one (the tile's last 64 columns: Gluon's shapes are powers of two), frees
+the stage and promotes; the tile leaves by TMA stores from shared memory, which drain while the warpgroup goes on
+to its next tile. Other wgrads (added into ``out``, rounded, G separate outputs, ragged groups on the host) run on
+the twin.
 
 Both take at most ``MAX_GROUPS`` groups (more run on the twin). Written against Triton 3.6's Gluon API, which
 moves between releases: ``available`` is False on any other Triton (``auto`` then runs the twin).
@@ -62,9 +64,13 @@ _GL_OUT = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32
 # groups are looked up in MAX_GROUPS slots (warp_specialize hands constexprs to the partitions as run-time values,
 # so the slot count is a global); more groups run on the twin
 MAX_GROUPS = gl.constexpr(256)
-# the wgrad's ring stages by output: BF16 5, float32 4 (33 KiB stages beside a 32 / 64 KiB staging tile), and its
-# tile order, bands of WGRAD_GROUP_N 128-row strips of N (H200, docs/grouped_gemm.md)
-WGRAD_STAGES = {torch.bfloat16: 5, torch.float32: 4}
+# the wgrad's tiles: 128 rows of N x WGRAD_TILE_K columns of K (a 128- and a 64-column part: Gluon's shapes are powers
+# of two); its ring stages by output: BF16 4, float32 3 (41 KiB stages beside 48 / 96 KiB of staging tiles); its math
+# warpgroups' registers (the two parts' accumulators, an MMA's and the scales: 240 compiles without spills in the
+# loop); its tile order, bands of WGRAD_GROUP_N 128-row strips of N (H200, docs/grouped_gemm.md)
+WGRAD_TILE_K = 192
+WGRAD_STAGES = {torch.bfloat16: 4, torch.float32: 3}
+WGRAD_MATH_REGS = 240
 WGRAD_GROUP_N = gl.constexpr(8)
 WGRAD_ROW_ALIGNMENT = 16  # TMA: each group's row stride (its rows, in FP8 bytes) a multiple of 16 bytes
 
@@ -152,7 +158,7 @@ def _loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sizes_ptr, num_groups,
 
 @gluon.jit
 def _tma_store(acc, c_desc, c_buf, row, col):
-    """A warpgroup's 64x128 ``acc`` to ``c_desc`` at (``row``, ``col``), through shared ``c_buf`` by one TMA
+    """A warpgroup's 64-row ``acc`` to ``c_desc`` at (``row``, ``col``), through shared ``c_buf`` by one TMA
     store, which drains while the warpgroup goes on (waited for at the buffer's next use)."""
     tma.store_wait(0)  # the buffer's previous tile has left (waited for by its issuing thread)
     gl.thread_barrier()
@@ -316,24 +322,28 @@ def _first_tile(g, per_group, pid, nprog):
 
 @gluon.jit
 def _wgrad_tile(local, num_n, num_k):
-    """(n0, k0) of a group's ``local``-th 128x128 tile: bands of ``WGRAD_GROUP_N`` 128-row strips of N, N fastest
+    """(n0, k0) of a group's ``local``-th 128x192 tile: bands of ``WGRAD_GROUP_N`` 128-row strips of N, N fastest
     within a band (a wave of programs then reads a few strips of both operands)."""
     width = WGRAD_GROUP_N * num_k
     first_n = local // width * WGRAD_GROUP_N
     band = gl.minimum(num_n - first_n, WGRAD_GROUP_N)
-    return (first_n + local % width % band) * 128, local % width // band * 128
+    return (first_n + local % width % band) * 128, local % width // band * 192
 
 
 @gluon.jit
-def _wgrad_loader(at_ptr, bt_ptr, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, sizes_ptr,
-                  num_groups, N, K):
-    """Group by group: the group's descriptors (dY_g^T ``[N, m_g]``, X_g^T ``[K, m_g]``; tokens past m_g
-    zero-filled) are made once, after the loads through the previous ones have landed (the ready barriers of the
-    last NUM_STAGES loads: the loader is their only producer), then this program's tiles of the group loaded: a
-    stage holds token block j's two FP8 tiles and their scales (128 of dY^T's, 128 of X^T's)."""
+def _wgrad_loader(at_ptr, bt_ptr, sa_desc, sb_desc, sbh_desc, a_bufs, b_bufs, bh_bufs, sa_bufs, sb_bufs, sbh_bufs,
+                  ready, empty, sizes_ptr, num_groups, N, K):
+    """Group by group: the group's descriptors (dY_g^T ``[N, m_g]``, X_g^T ``[K, m_g]``; tokens past m_g, and K
+    past the last strip, zero-filled) are made once, after the loads through the previous ones have landed (the
+    ready barriers of the last NUM_STAGES loads: the loader is their only producer), then this program's tiles of
+    the group loaded: a stage holds token block j's FP8 tiles (dY^T 128 rows; X^T 128 + 64 rows) and their scales
+    (128 of dY^T's, 128 + 64 of X^T's)."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
+    extra: gl.constexpr = sa_desc.block_type.nbytes + sb_desc.block_type.nbytes + sbh_desc.block_type.nbytes + \
+        bh_bufs.type.shape[1] * bh_bufs.type.shape[2]
     num_n = N // 128
-    per_group = num_n * (K // 128)
+    num_k = gl.cdiv(K, 192)
+    per_group = num_n * num_k
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     it = 0
@@ -350,79 +360,104 @@ def _wgrad_loader(at_ptr, bt_ptr, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_
                                                 [128, 128], a_bufs.type.layout)
             b_desc = tma.make_tensor_descriptor(bt_ptr + first_row.to(gl.int64) * K, [K, size], [size, 1],
                                                 [128, 128], b_bufs.type.layout)
+            bh_desc = tma.make_tensor_descriptor(bt_ptr + first_row.to(gl.int64) * K, [K, size], [size, 1],
+                                                 [64, 128], bh_bufs.type.layout)
             for t in range(t0, (g + 1) * per_group, nprog):
-                n0, k0 = _wgrad_tile(t - g * per_group, num_n, K // 128)
+                n0, k0 = _wgrad_tile(t - g * per_group, num_n, num_k)
                 for j in range(blocks):
                     s = it % NUM_STAGES
-                    _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, n0, k0, j * 128,
-                                2 * sa_desc.block_type.nbytes)
+                    _load_stage(a_desc, b_desc, a_bufs, b_bufs, ready, empty, it, n0, k0, j * 128, extra)
+                    tma.async_copy_global_to_shared(bh_desc, [k0 + 128, j * 128], ready.index(s), bh_bufs.index(s))
                     tma.async_copy_global_to_shared(sa_desc, [(first_block + j) * N + n0], ready.index(s),
                                                     sa_bufs.index(s))
                     tma.async_copy_global_to_shared(sb_desc, [(first_block + j) * K + k0], ready.index(s),
                                                     sb_bufs.index(s))
+                    tma.async_copy_global_to_shared(sbh_desc, [(first_block + j) * K + k0 + 128], ready.index(s),
+                                                    sbh_bufs.index(s))
                     it += 1
 
 
 @gluon.jit
-def _wgrad_math(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, sizes_ptr, num_groups, N, K,
-                ROW0: gl.constexpr):
-    """Rows ROW0..ROW0+63 of each of the program's 128x128 tiles (the loader's walk; every tile, empty groups'
-    too: zeros), one warpgroup; the tile leaves through ``c_smem`` by a TMA store."""
+def _wgrad_math(a_bufs, b_bufs, bh_bufs, sa_bufs, sb_bufs, sbh_bufs, ready, empty, c_smem, c_desc, ch_smem, ch_desc,
+                sizes_ptr, num_groups, N, K, ROW0: gl.constexpr):
+    """Rows ROW0..ROW0+63 of each of the program's 128x192 tiles (the loader's walk; every tile, empty groups'
+    too: zeros), one warpgroup: per token block a 64x128 MMA, waited for and promoted, then a 64x64 one (the
+    tile's last 64 columns); the two parts leave through ``c_smem`` / ``ch_smem`` by TMA stores (clipped at K)."""
     NUM_STAGES: gl.constexpr = a_bufs.type.shape[0]
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 128, 32])
+    mma64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 32])
     num_n = N // 128
-    num_k = K // 128
+    num_k = gl.cdiv(K, 192)
     per_group = num_n * num_k
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     c_buf = c_smem.index(ROW0 // 64)
+    ch_buf = ch_smem.index(ROW0 // 64)
     it = 0
     for g in range(num_groups):
         _, size, _ = _group_extent(g, sizes_ptr, num_groups)
         for t in range(_first_tile(g, per_group, pid, nprog), (g + 1) * per_group, nprog):
             n0, k0 = _wgrad_tile(t - g * per_group, num_n, num_k)
             acc = gl.zeros([64, 128], gl.float32, mma)
+            acc_h = gl.zeros([64, 64], gl.float32, mma64)
             for j in range((size + 127) // 128):
                 s = it % NUM_STAGES
                 mbarrier.wait(ready.index(s), (it // NUM_STAGES) & 1)
-                cur = warpgroup_mma(a_bufs.index(s).slice(ROW0, 64), b_bufs.index(s).permute((1, 0)),
-                                    gl.zeros([64, 128], gl.float32, mma), use_acc=False, is_async=True)
+                a_tile = a_bufs.index(s).slice(ROW0, 64)
+                cur = warpgroup_mma(a_tile, b_bufs.index(s).permute((1, 0)), gl.zeros([64, 128], gl.float32, mma),
+                                    use_acc=False, is_async=True)
                 sa = sa_bufs.index(s).slice(ROW0, 64).load(gl.SliceLayout(1, mma))
                 sb = sb_bufs.index(s).load(gl.SliceLayout(0, mma))
                 done = warpgroup_mma_wait(num_outstanding=0, deps=(cur, ))
-                gl.thread_barrier()  # the warpgroup's four warps past block j's MMA
-                mbarrier.arrive(empty.index(s), count=1)
                 acc = acc + done * (sa[:, None] * sb[None, :])
+                cur_h = warpgroup_mma(a_tile, bh_bufs.index(s).permute((1, 0)),
+                                      gl.zeros([64, 64], gl.float32, mma64), use_acc=False, is_async=True)
+                sa_h = sa_bufs.index(s).slice(ROW0, 64).load(gl.SliceLayout(1, mma64))
+                sb_h = sbh_bufs.index(s).load(gl.SliceLayout(0, mma64))
+                done_h = warpgroup_mma_wait(num_outstanding=0, deps=(cur_h, ))
+                gl.thread_barrier()  # the warpgroup's four warps past block j's MMAs
+                mbarrier.arrive(empty.index(s), count=1)
+                acc_h = acc_h + done_h * (sa_h[:, None] * sb_h[None, :])
                 it += 1
             _tma_store(acc, c_desc, c_buf, g * N + n0 + ROW0, k0)
+            _tma_store(acc_h, ch_desc, ch_buf, g * N + n0 + ROW0, k0 + 128)
     tma.store_wait(0)
 
 
 @gluon.jit
-def _wgrad_math_lo(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, sizes_ptr, num_groups, N, K):
-    _wgrad_math(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, sizes_ptr, num_groups, N, K, 0)
+def _wgrad_math_lo(a_bufs, b_bufs, bh_bufs, sa_bufs, sb_bufs, sbh_bufs, ready, empty, c_smem, c_desc, ch_smem,
+                   ch_desc, sizes_ptr, num_groups, N, K):
+    _wgrad_math(a_bufs, b_bufs, bh_bufs, sa_bufs, sb_bufs, sbh_bufs, ready, empty, c_smem, c_desc, ch_smem, ch_desc,
+                sizes_ptr, num_groups, N, K, 0)
 
 
 @gluon.jit
-def _wgrad_math_hi(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, sizes_ptr, num_groups, N, K):
-    _wgrad_math(a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, sizes_ptr, num_groups, N, K, 64)
+def _wgrad_math_hi(a_bufs, b_bufs, bh_bufs, sa_bufs, sb_bufs, sbh_bufs, ready, empty, c_smem, c_desc, ch_smem,
+                   ch_desc, sizes_ptr, num_groups, N, K):
+    _wgrad_math(a_bufs, b_bufs, bh_bufs, sa_bufs, sb_bufs, sbh_bufs, ready, empty, c_smem, c_desc, ch_smem, ch_desc,
+                sizes_ptr, num_groups, N, K, 64)
 
 
 @gluon.jit
-def _grouped_wgrad_kernel(at_ptr, bt_ptr, sa_desc, sb_desc, c_desc, sizes_ptr, num_groups, N, K,
+def _grouped_wgrad_kernel(at_ptr, bt_ptr, sa_desc, sb_desc, sbh_desc, c_desc, ch_desc, sizes_ptr, num_groups, N, K,
                           NUM_STAGES: gl.constexpr, MATH_REGS: gl.constexpr, num_warps: gl.constexpr):
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, 128], at_ptr.dtype.element_ty)
     b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([128, 128], bt_ptr.dtype.element_ty)
+    bh_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, 128], bt_ptr.dtype.element_ty)
     a_bufs = gl.allocate_shared_memory(at_ptr.dtype.element_ty, [NUM_STAGES, 128, 128], a_layout)
     b_bufs = gl.allocate_shared_memory(bt_ptr.dtype.element_ty, [NUM_STAGES, 128, 128], b_layout)
+    bh_bufs = gl.allocate_shared_memory(bt_ptr.dtype.element_ty, [NUM_STAGES, 64, 128], bh_layout)
     sa_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 128], sa_desc.layout)
     sb_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 128], sb_desc.layout)
+    sbh_bufs = gl.allocate_shared_memory(gl.float32, [NUM_STAGES, 64], sbh_desc.layout)
     c_smem = gl.allocate_shared_memory(c_desc.dtype, [2, 64, 128], c_desc.layout)
+    ch_smem = gl.allocate_shared_memory(ch_desc.dtype, [2, 64, 64], ch_desc.layout)
     ready, empty = _ring_barriers(NUM_STAGES)
-    args = (a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, c_smem, c_desc, sizes_ptr, num_groups, N, K)
+    args = (a_bufs, b_bufs, bh_bufs, sa_bufs, sb_bufs, sbh_bufs, ready, empty, c_smem, c_desc, ch_smem, ch_desc,
+            sizes_ptr, num_groups, N, K)
     gl.warp_specialize([
-        (_wgrad_loader, (at_ptr, bt_ptr, sa_desc, sb_desc, a_bufs, b_bufs, sa_bufs, sb_bufs, ready, empty, sizes_ptr,
-                         num_groups, N, K)),
+        (_wgrad_loader, (at_ptr, bt_ptr, sa_desc, sb_desc, sbh_desc, a_bufs, b_bufs, bh_bufs, sa_bufs, sb_bufs,
+                         sbh_bufs, ready, empty, sizes_ptr, num_groups, N, K)),
         (_wgrad_math_lo, args),
         (_wgrad_math_hi, args),
     ], [4, 4], [MATH_REGS, MATH_REGS])
@@ -446,7 +481,8 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
                        out_dtype=torch.float32, config=None):
     """As ``kernels.grouped_gemm.grouped_gemm_wgrad`` (its twin; same arguments, same bits): the Gluon kernel where
     ``takes_wgrad``, the twin otherwise. Device-tensor splits must then be multiples of 16 rows (asserted on the
-    device, as DeepGEMM's 128). ``config``: ``(NUM_STAGES, math registers)`` (``WGRAD_STAGES``, 232)."""
+    device, as DeepGEMM's 128). ``config``: ``(NUM_STAGES, math registers)`` (``WGRAD_STAGES``,
+    ``WGRAD_MATH_REGS``)."""
     if not takes_wgrad(a_t, m_splits, out, accumulate, out_dtype):
         return twin_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out, accumulate, out_dtype)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -458,26 +494,28 @@ def grouped_gemm_wgrad(a_t, a_t_scale_inv, b_t, b_t_scale_inv, m_splits, out=Non
                         f"grouped_gemm_wgrad (gluon): every group's rows must be a multiple of {WGRAD_ROW_ALIGNMENT}")
     if out is None:
         out = torch.empty((g, n, k), dtype=out_dtype, device=a_t.device)
-    total = g * (n // 128) * (k // 128)
+    total = g * (n // 128) * triton.cdiv(k, WGRAD_TILE_K)
     if total == 0:
         return out
-    num_stages, math_regs = config or (WGRAD_STAGES[out.dtype], 232)
-    c_desc = TensorDescriptor(out.view(g * n, k), [g * n, k], [k, 1], [64, 128],
-                              gl.NVMMASharedLayout.get_default_for([64, 128], _GL_OUT[out.dtype]))
-    # the scales [blocks, N] / [blocks, K] as flat rows: a token block's 128 of a tile, one 512-byte TMA box
+    num_stages, math_regs = config or (WGRAD_STAGES[out.dtype], WGRAD_MATH_REGS)
+    c_2d = out.view(g * n, k)
+    c_desc, ch_desc = (TensorDescriptor(c_2d, [g * n, k], [k, 1], [64, cols],
+                                        gl.NVMMASharedLayout.get_default_for([64, cols], _GL_OUT[out.dtype]))
+                       for cols in (128, 64))
+    # the scales [blocks, N] / [blocks, K] as flat rows: a token block's 128 (+ 64) of a tile, 1-D TMA boxes
     s_layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=1)
     # (no token blocks, all groups empty: nothing is loaded, the descriptors get a stand-in row)
     sa_flat, sb_flat = (t.contiguous().view(-1) if t.numel() else t.new_zeros(128) for t in (a_t_scale_inv,
                                                                                           b_t_scale_inv))
-    sa_desc = TensorDescriptor(sa_flat, [sa_flat.numel()], [1], [128], s_layout)
-    sb_desc = TensorDescriptor(sb_flat, [sb_flat.numel()], [1], [128], s_layout)
+    sa_desc, sb_desc, sbh_desc = (TensorDescriptor(t, [t.numel()], [1], [box], s_layout)
+                                  for t, box in ((sa_flat, 128), (sb_flat, 128), (sb_flat, 64)))
     sms = torch.cuda.get_device_properties(a_t.device).multi_processor_count
     # the device-made descriptors' scratch (a stream-ordered torch buffer), for this launch only
     token = _allocation._allocator.set(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
                                                                              device=a_t.device))
     try:
         _grouped_wgrad_kernel[(min(total, sms),)](
-            a_t, b_t, sa_desc, sb_desc, c_desc, sizes, g, n, k,
+            a_t, b_t, sa_desc, sb_desc, sbh_desc, c_desc, ch_desc, sizes, g, n, k,
             NUM_STAGES=num_stages, MATH_REGS=math_regs, num_warps=4, maxnreg=168)
     finally:
         _allocation._allocator.reset(token)

@@ -66,10 +66,9 @@ GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "gluon", "triton", "reference")
 # 1024 to 16384 rows per expert against Triton's 689-786; cuBLAS per expert level to 7% ahead from 2048 rows
 # (1010-1150; fc1 1120-1150 against 1080) for 1-3 ms of host time a call against Gluon's 0.4-0.8; level or behind
 # at 1024 rows (fc2 961 against 1000), where ``cublas_pays`` leaves it out. docs/grouped_gemm.md.
-# Gluon's written wgrad before Triton's where the experts average under GLUON_WGRAD_MAX_MEAN_ROWS: in that run 679 /
-# 674 TFLOP/s (fc1 / fc2, BF16 out) against 585 / 577 at 1024 rows per expert, level from 2048 (676 / 706 against
-# 682 / 671; 669 / 704 against 725 / 656 at 4096; 646 / 656 against 678 / 647 at 16384). docs/grouped_gemm.md.
-GLUON_WGRAD_MAX_MEAN_ROWS = 4096
+# Gluon's written wgrad before Triton's at every size: H200, 2026-12-02 18:06 (bench_grouped_gemm_gluon_h200.md, 128x192
+# tiles), TFLOP/s fc1 / fc2, BF16 out: 739 / 713 against 597 / 587 at 1024 rows per expert, 800 / 778 against 686 /
+# 678 at 2048, 828 / 818 against 735 / 658 at 4096, 832 / 828 against 667 / 648 at 16384. docs/grouped_gemm.md.
 # A wgrad rounded to BF16 into ``out`` ("wgrad_rounded": DDP's hook's sums, ``GroupedLinear.add_wgrad_into_main_grad``):
 # Triton rounds and adds in its epilogue, where cuBLAS and DeepGEMM write the BF16 gradient and it is then added, a
 # pass over ``main_grad``; so cuBLAS needs larger experts there (``CUBLAS_MIN_MEAN_ROWS``).
@@ -107,13 +106,6 @@ def deepgemm_pays(call: "GemmCall") -> bool:
     groups = len(call.m_splits)
     written = call.kind in ("wgrad", "wgrad_rounded")
     return not written or groups > 0 and call.rows >= DEEPGEMM_WRITTEN_MIN_MEAN_ROWS * groups
-
-
-def gluon_pays(call: "GemmCall") -> bool:
-    """Whether "auto" may take the Gluon column for ``call``: always but for a written wgrad, there where the experts
-    average under ``GLUON_WGRAD_MAX_MEAN_ROWS`` rows (``call.rows`` over the groups)."""
-    groups = len(call.m_splits)
-    return call.kind != "wgrad" or groups > 0 and call.rows < GLUON_WGRAD_MAX_MEAN_ROWS * groups
 
 
 def cublas_pays(kind: str, m_splits: list, weight_elements: int) -> bool:
@@ -217,15 +209,15 @@ def why_not(backend: str, call: GemmCall) -> Optional[str]:
 
 def auto_backend(call: GemmCall, skip: tuple = ()) -> Optional[str]:
     """The backend ``"auto"`` runs ``call`` on: on the GPU the first of ``AUTO_ORDER[call.kind]`` (less ``skip``)
-    that can run it, cuBLAS, DeepGEMM and Gluon only where they pay (``cublas_pays``, ``deepgemm_pays``,
-    ``gluon_pays``); None where none can (the reference off the GPU)."""
+    that can run it, cuBLAS and DeepGEMM only where they pay (``cublas_pays``, ``deepgemm_pays``); None where none
+    can (the reference off the GPU)."""
     if not call.cuda:
         return None
     for name in (n for n in AUTO_ORDER[call.kind] if n not in skip):
         if name == "cublas" and isinstance(call.m_splits, list) and not cublas_pays(call.kind, call.m_splits,
                                                                                      call.weight_elements):
             continue
-        if name == "deepgemm" and not deepgemm_pays(call) or name == "gluon" and not gluon_pays(call):
+        if name == "deepgemm" and not deepgemm_pays(call):
             continue
         if why_not(name, call) is None:
             return name
