@@ -62,7 +62,7 @@ GEMM_BACKENDS = ("auto", "deepgemm", "cublas", "gluon", "triton", "reference")
 # beta = 1 (522 / 517 at 1024 rows, 784 / 763 at 2048, fc1 / fc2) ahead of DeepGEMM's C = D (377 / 385,
 # 768 / 739) and Triton's (389 / 384, 542 / 487), and it also runs on G separate main_grads (Megatron's DDP).
 # Gluon's fprop/dgrad (persistent) before Triton's, after cuBLAS's where that pays: H200, 2026-12-02
-# (bench_grouped_gemm_gluon_h200.md, one backend after another): 1000-1080 TFLOP/s at DeepSeek-V3's four GEMMs from
+# (bench_grouped_gemm_gluon_h200.md, one backend after another): 1000-1090 TFLOP/s at DeepSeek-V3's four GEMMs from
 # 1024 to 16384 rows per expert against Triton's 689-786; cuBLAS per expert level to 7% ahead from 2048 rows
 # (1010-1150; fc1 1120-1150 against 1080) for 1-3 ms of host time a call against Gluon's 0.4-0.8; level or behind
 # at 1024 rows (fc2 961 against 1000), where ``cublas_pays`` leaves it out. docs/grouped_gemm.md.
