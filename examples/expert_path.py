@@ -25,8 +25,7 @@ def gemm_backends(device: torch.device, backend: str = "auto") -> str:
         return f"Triton kernels; grouped GEMMs {backend!r}"
     from transformer_engine_moe.kernels import cublaslt, grouped_gemm_deepgemm
     from transformer_engine_moe.ops.grouped_gemm import (AUTO_ORDER, CUBLAS_MIN_MEAN_ROWS, CUBLAS_MIN_WEIGHT,
-                                                         DEEPGEMM_WRITTEN_MIN_MEAN_ROWS,
-                                                         gluon_available)
+                                                         DEEPGEMM_WRITTEN_MIN_MEAN_ROWS, gluon_available)
 
     deepgemm, lt = grouped_gemm_deepgemm.available(device), cublaslt.available(device)
     gluon = gluon_available(device)

@@ -98,18 +98,26 @@ def _add(a, b):
 
 
 @gluon.jit
+def _group_extent(g, sizes_ptr, num_groups):
+    """Group g's (first row, rows, first 128-row block), as ``groups.group_extent``."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    i = gl.arange(0, MAX_GROUPS, layout=layout)
+    sizes = gl.load(sizes_ptr + i, mask=i < num_groups, other=0)
+    before = i < g
+    first_row = gl.sum(gl.where(before, sizes, 0), axis=0)
+    first_block = gl.sum(gl.where(before, (sizes + 127) // 128, 0), axis=0)
+    return first_row, gl.sum(gl.where(i == g, sizes, 0), axis=0), first_block
+
+
+@gluon.jit
 def _tile(t, num_pid_m, num_pid_n, GROUP_M, sizes_ptr, num_groups):
     """Tile ``t``'s (first row, row count, group, column tile): its group-relative 128-row block as the twin's
     ``groups.column_block_rows`` (count 0: past the groups), in the twin's swizzled order."""
     pid_m, pid_n = swizzled_tile(t, num_pid_m, num_pid_n, GROUP_M)
     g = gl.arange(0, MAX_GROUPS, layout=gl.BlockedLayout([1], [32], [4], [0]))
     sizes = gl.load(sizes_ptr + g, mask=g < num_groups, other=0)
-    blocks = (sizes + 127) // 128
-    gi = gl.sum((gl.associative_scan(blocks, 0, _add) <= pid_m).to(gl.int32), axis=0)
-    before = g < gi
-    first_row = gl.sum(gl.where(before, sizes, 0), axis=0)
-    first_block = gl.sum(gl.where(before, blocks, 0), axis=0)
-    size = gl.sum(gl.where(g == gi, sizes, 0), axis=0)
+    gi = gl.sum((gl.associative_scan((sizes + 127) // 128, 0, _add) <= pid_m).to(gl.int32), axis=0)
+    first_row, size, first_block = _group_extent(gi, sizes_ptr, num_groups)
     start = first_row + (pid_m - first_block) * 128
     count = gl.maximum(gl.minimum(first_row + size - start, 128), 0)
     return start, count, gi, pid_n
@@ -302,18 +310,6 @@ def grouped_gemm(a, a_scale_inv, b, b_scale_inv, m_splits, out_dtype=torch.bfloa
 
 
 # ------------------------------------------------------------------------------------------------------------ wgrad
-@gluon.jit
-def _group_extent(g, sizes_ptr, num_groups):
-    """Group g's (first row, rows, first 128-row block), as ``groups.group_extent``."""
-    layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    i = gl.arange(0, MAX_GROUPS, layout=layout)
-    sizes = gl.load(sizes_ptr + i, mask=i < num_groups, other=0)
-    before = i < g
-    first_row = gl.sum(gl.where(before, sizes, 0), axis=0)
-    first_block = gl.sum(gl.where(before, (sizes + 127) // 128, 0), axis=0)
-    return first_row, gl.sum(gl.where(i == g, sizes, 0), axis=0), first_block
-
-
 @gluon.jit
 def _first_tile(g, per_group, pid, nprog):
     """This program's first tile of group g (programs take tiles pid, pid + nprog, ...)."""
